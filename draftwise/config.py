@@ -1,0 +1,73 @@
+"""Frozen, validated settings. Each field maps one-to-one to a kebab-case CLI flag."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from draftwise.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How tokens are chosen from the TARGET's distribution.
+
+    temperature == 0 means greedy decoding. top_k == 0, top_p == 1 and min_p == 0 disable
+    those filters. The filters are applied to the target's distribution (and the drafter's,
+    when it samples), so speculation never changes what is sampled.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_new_tokens: int = 128
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0.0:
+            raise ConfigError(
+                f"temperature={self.temperature} is invalid: use 0 for greedy decoding "
+                "or a positive value (e.g. 0.7) for sampling."
+            )
+        if self.top_k < 0:
+            raise ConfigError(f"top_k={self.top_k} is invalid: use 0 to disable it or a positive count.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top_p={self.top_p} is invalid: it must be in (0, 1]; 1 disables it.")
+        if not 0.0 <= self.min_p < 1.0:
+            raise ConfigError(f"min_p={self.min_p} is invalid: it must be in [0, 1); 0 disables it.")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens={self.max_new_tokens} is invalid: it must be at least 1.")
+        if isinstance(self.stop, str):  # a lone string would be iterated character by character
+            object.__setattr__(self, "stop", (self.stop,))
+        if any(not s for s in self.stop):
+            raise ConfigError("stop strings must be non-empty; remove the empty string from stop.")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class SpecConfig:
+    """How speculation is run: which drafter and how many tokens it proposes per step."""
+
+    drafter: str = "ngram"
+    num_draft_tokens: int = 5
+    draft_model: str | None = None
+    ngram_min: int = 1
+    ngram_max: int = 4
+
+    def __post_init__(self) -> None:
+        if self.num_draft_tokens < 1:
+            raise ConfigError(
+                f"num_draft_tokens={self.num_draft_tokens} is invalid: it must be at least 1 "
+                "(use drafter='none' for plain decoding)."
+            )
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ConfigError(
+                f"ngram_min={self.ngram_min}, ngram_max={self.ngram_max} are invalid: "
+                "need 1 <= ngram_min <= ngram_max."
+            )
+        if self.drafter == "model" and not self.draft_model:
+            raise ConfigError("drafter='model' needs a draft model: pass --draft-model NAME|PATH.")

@@ -1,0 +1,43 @@
+"""Drafter registry: the CLI and server pick drafters by name here, never in the core loop."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from draftwise.config import SpecConfig
+from draftwise.drafters.base import Draft, Drafter
+from draftwise.drafters.draft_model import ModelDrafter, check_same_vocabulary
+from draftwise.drafters.ngram import NgramDrafter
+from draftwise.errors import ConfigError
+from draftwise.models.loading import LoadedModel
+
+
+def _build_ngram(spec: SpecConfig, target: LoadedModel, dtype: str, progress: bool) -> Drafter:
+    return NgramDrafter(spec.ngram_min, spec.ngram_max)
+
+
+def _build_model(spec: SpecConfig, target: LoadedModel, dtype: str, progress: bool) -> Drafter:
+    from draftwise.models import loading
+
+    draft = loading.load(spec.draft_model, dtype=dtype, progress=progress)
+    check_same_vocabulary(target.tokenizer, draft.tokenizer, target.model.info.vocab_size, draft.model.info.vocab_size)
+    return ModelDrafter(draft.model)
+
+
+# name -> factory(spec, target, dtype, progress); None means plain decoding.
+DRAFTERS: dict[str, Callable[[SpecConfig, LoadedModel, str, bool], Drafter] | None] = {
+    "none": None,
+    "ngram": _build_ngram,
+    "model": _build_model,
+}
+
+
+def build_drafter(spec: SpecConfig, target: LoadedModel, dtype: str = "float32", progress: bool = True) -> Drafter | None:
+    try:
+        factory = DRAFTERS[spec.drafter]
+    except KeyError:
+        raise ConfigError(f"unknown drafter {spec.drafter!r}: choose one of {', '.join(DRAFTERS)}.") from None
+    return None if factory is None else factory(spec, target, dtype, progress)
+
+
+__all__ = ["DRAFTERS", "Draft", "Drafter", "ModelDrafter", "NgramDrafter", "build_drafter"]

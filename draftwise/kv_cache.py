@@ -1,0 +1,58 @@
+"""A preallocated per-layer K/V cache. Rollback moves a length: nothing is copied or recomputed.
+
+Slots [0, length) hold committed tokens. A forward writes its T new tokens into slots
+[length, length + T) and advances length; the engine then rolls back what was rejected, and
+the next forward simply overwrites those slots (the gpt-fast idea).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftwise.errors import DraftwiseError
+
+
+class KVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_length: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        shape = (num_layers, 1, num_kv_heads, max_length, head_dim)  # batch of one sequence
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_length = max_length
+        self.length = 0
+
+    def reserve(self, num_tokens: int) -> int:
+        """Claim slots for num_tokens new tokens; return the first slot. Called once per forward."""
+        start = self.length
+        if start + num_tokens > self.max_length:
+            raise DraftwiseError(
+                f"KV cache overflow: {start} + {num_tokens} tokens > capacity {self.max_length}; "
+                "lower max_new_tokens or the prompt length."
+            )
+        self.length = start + num_tokens
+        return start
+
+    def write(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store keys/values [1, kv_heads, T, head_dim] at slots start.. and return views of all
+        slots up to the new end, [1, kv_heads, start + T, head_dim]."""
+        end = start + keys.shape[2]
+        self.keys[layer, :, :, start:end] = keys
+        self.values[layer, :, :, start:end] = values
+        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+
+    def rollback(self, num_tokens: int) -> None:
+        """Forget the last num_tokens tokens. Rolling back more than is cached is a bug: raise."""
+        if not 0 <= num_tokens <= self.length:
+            raise DraftwiseError(f"cannot roll back {num_tokens} tokens from a cache of {self.length}")
+        self.length -= num_tokens
+
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` tokens (a no-op when the cache is already that short)."""
+        self.rollback(max(0, self.length - length))

