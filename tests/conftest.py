@@ -1,0 +1,45 @@
+"""Shared fixtures. Behavioural tests run the real SmolLM2-135M (fetched once into the cache)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+# Twelve varied prompts: chat, code, summarise, translate, list, math; raw text and chat messages.
+PROMPTS: list = [
+    [{"role": "user", "content": "Hi! How are you today? Tell me something fun about octopuses."}],
+    [{"role": "user", "content": "Rename the variable `x` to `count` in this code:\n\ndef step(x):\n    x = x + 1\n    return x * 2\n"}],
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    [{"role": "user", "content": "Fix the bug in this function:\n\ndef average(values):\n    return sum(values) / len(values) + 1\n"}],
+    [{"role": "user", "content": "Summarise in one sentence: The city council met on Tuesday and voted to extend the bike lane "
+      "network by twelve kilometres, funded by a new parking fee. Opponents said the fee would hurt small shops."}],
+    [{"role": "user", "content": "Translate to French: The weather is nice today and we are going to the beach."}],
+    "Translate English to German.\nEnglish: Where is the train station?\nGerman:",
+    [{"role": "user", "content": "List five fruits that are rich in vitamin C."}],
+    "Shopping list:\n1. eggs\n2. milk\n3.",
+    [{"role": "user", "content": "What is 17 multiplied by 23? Think step by step."}],
+    "Q: If a train travels 60 km in 1.5 hours, what is its average speed?\nA:",
+    [{"role": "system", "content": "You are a terse assistant."},
+     {"role": "user", "content": "Explain what a hash map is."}],
+]
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real SmolLM2-135M-Instruct target in float32 (exact-equality tests need fp32)."""
+    from draftwise.models import loading
+
+    return loading.load("smollm2-135m", dtype="float32", auto_fetch=True, progress=False)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2):
+    """The same weights through transformers, the reference implementation."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm2.folder, dtype=torch.float32).eval()

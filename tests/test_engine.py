@@ -1,0 +1,103 @@
+"""Stop conditions, streaming and sampling through the engine, on the real SmolLM2-135M."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from draftwise.config import SamplingParams
+from draftwise.drafters import ModelDrafter, NgramDrafter
+from draftwise.engine import Engine
+from draftwise.errors import PromptError
+from tests.conftest import PROMPTS
+
+LIST_PROMPT = PROMPTS[7]  # "List five fruits ..."
+
+
+@pytest.fixture(scope="module")
+def drafters(smollm2):
+    return {"none": None, "ngram": NgramDrafter(), "model": ModelDrafter(smollm2.model.truncated(27))}
+
+
+@pytest.mark.parametrize("drafter", ["none", "ngram", "model"])
+def test_stop_string_cuts_text_where_plain_decoding_does(smollm2, drafters, drafter):
+    full = Engine(smollm2).generate(LIST_PROMPT, SamplingParams(max_new_tokens=40)).text
+    stop = full[15:19]
+    assert stop and stop in full
+    result = Engine(smollm2, drafters[drafter], 4).generate(LIST_PROMPT, SamplingParams(max_new_tokens=40, stop=(stop,)))
+    assert result.text == full[: full.index(stop)]
+    assert result.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("drafter", ["none", "ngram", "model"])
+def test_max_new_tokens_is_exact_whatever_the_step_size(smollm2, drafters, drafter):
+    result = Engine(smollm2, drafters[drafter], 8).generate(PROMPTS[8], SamplingParams(max_new_tokens=7))
+    assert len(result.token_ids) == 7
+    assert result.finish_reason == "length"
+
+
+def test_eos_ends_generation_and_is_not_returned(smollm2):
+    result = Engine(smollm2, NgramDrafter(), 5).generate(PROMPTS[1], SamplingParams(max_new_tokens=200))
+    assert result.finish_reason == "stop"
+    assert not set(result.token_ids) & set(smollm2.model.info.eos_token_ids)
+
+
+def test_streamed_deltas_add_up_to_the_final_text(smollm2, drafters):
+    params = SamplingParams(max_new_tokens=40, stop=("banana",))
+    updates = list(Engine(smollm2, drafters["ngram"], 5).stream(LIST_PROMPT, params))
+    assert updates[-1].result is not None
+    assert "".join(update.delta for update in updates) == updates[-1].result.text
+    assert sum(1 for update in updates if update.delta) > 3  # text really arrived in pieces
+
+
+def test_generation_stops_at_the_context_length(smollm2, monkeypatch):
+    prompt_length = len(Engine(smollm2).encode(PROMPTS[2]))
+    monkeypatch.setattr(smollm2.model, "info", replace(smollm2.model.info, max_context=prompt_length + 5))
+    result = Engine(smollm2, NgramDrafter(), 8).generate(PROMPTS[2], SamplingParams(max_new_tokens=50))
+    assert len(result.token_ids) == 5
+    assert result.finish_reason == "length"
+
+
+def test_prompt_longer_than_the_context_is_refused(smollm2):
+    with pytest.raises(PromptError, match="shorten the prompt"):
+        Engine(smollm2).generate("hello " * 9000)
+
+
+@pytest.mark.parametrize("prompt", ["", "   \n", []])
+def test_empty_prompt_is_refused(smollm2, prompt):
+    with pytest.raises(PromptError):
+        Engine(smollm2).generate(prompt)
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "model"])
+def test_sampling_with_top_k_one_reproduces_greedy_through_the_rejection_sampler(smollm2, drafters, drafter):
+    # top_k=1 leaves a point mass on the argmax, so sampling must give the greedy tokens: this
+    # runs the whole temperature > 0 path (filters, draft probabilities, rejection sampler).
+    greedy = Engine(smollm2).generate(PROMPTS[0], SamplingParams(max_new_tokens=20)).token_ids
+    sampled = Engine(smollm2, drafters[drafter], 4).generate(
+        PROMPTS[0], SamplingParams(max_new_tokens=20, temperature=0.8, top_k=1, seed=0))
+    assert sampled.token_ids == greedy
+
+
+@pytest.mark.parametrize("drafter", ["none", "ngram", "model"])
+def test_seeded_sampling_is_reproducible(smollm2, drafters, drafter):
+    params = SamplingParams(max_new_tokens=20, temperature=1.0, top_p=0.95, seed=1234)
+    engine = Engine(smollm2, drafters[drafter], 4)
+    first = engine.generate(PROMPTS[0], params).token_ids
+    assert engine.generate(PROMPTS[0], params).token_ids == first
+    other = engine.generate(PROMPTS[0], replace(params, seed=99)).token_ids
+    assert other != first  # the seed really drives the randomness
+
+
+def test_metrics_are_consistent(smollm2, drafters):
+    result = Engine(smollm2, drafters["model"], 3).generate(PROMPTS[9], SamplingParams(max_new_tokens=24))
+    metrics = result.metrics
+    assert metrics.num_generated_tokens == len(result.token_ids)
+    assert metrics.num_accepted_tokens <= metrics.num_draft_tokens
+    # Every step commits its accepted tokens plus one of the target's own.
+    assert metrics.num_committed_tokens == metrics.num_accepted_tokens + metrics.num_target_forwards
+    assert 1.0 <= metrics.mean_accepted_length <= 4.0
+    assert len(metrics.per_position_acceptance) == 3
+    assert metrics.per_position_acceptance[0] >= metrics.per_position_acceptance[2]
+    assert metrics.tokens_per_second > 0

@@ -1,0 +1,49 @@
+"""The native decoder computes what transformers computes on the same weights."""
+
+import torch
+
+from tests.conftest import PROMPTS
+
+# float32 logits of SmolLM2 are O(10-40); both implementations do the same float32 ops in a
+# slightly different order, so they agree to well under 1e-3 absolute.
+FP32_ATOL = 1e-3
+
+
+def prompt_ids(tokenizer, prompt) -> torch.Tensor:
+    if isinstance(prompt, str):
+        return torch.tensor(tokenizer.encode(prompt))
+    text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+    return torch.tensor(tokenizer.encode(text, add_special_tokens=False))
+
+
+def test_native_logits_match_transformers_in_float32(smollm2, hf_smollm2):
+    for prompt in PROMPTS[:4]:
+        ids = prompt_ids(smollm2.tokenizer, prompt)
+        cache = smollm2.model.new_cache(ids.shape[0])
+        ours = smollm2.model.forward(ids, torch.arange(ids.shape[0]), cache)
+        with torch.no_grad():
+            reference = hf_smollm2(ids[None]).logits[0].float()
+        assert (ours - reference).abs().max() < FP32_ATOL
+
+
+def test_incremental_decoding_matches_one_pass(smollm2, hf_smollm2):
+    ids = prompt_ids(smollm2.tokenizer, PROMPTS[2])
+    cache = smollm2.model.new_cache(ids.shape[0])
+    pieces = [smollm2.model.forward(ids[:-3], torch.arange(ids.shape[0] - 3), cache, num_logits=1)]
+    for position in range(ids.shape[0] - 3, ids.shape[0]):  # three more tokens, one at a time
+        pieces.append(smollm2.model.forward(ids[position:position + 1], torch.tensor([position]), cache))
+    with torch.no_grad():
+        reference = hf_smollm2(ids[None]).logits[0, -4:].float()
+    assert (torch.cat(pieces) - reference).abs().max() < FP32_ATOL
+
+
+def test_bfloat16_model_agrees_on_the_argmax(smollm2):
+    from draftwise.models import loading
+
+    bf16 = loading.load("smollm2-135m", dtype="bfloat16", progress=False).model
+    assert bf16.dtype == torch.bfloat16
+    ids = prompt_ids(smollm2.tokenizer, PROMPTS[0])
+    fp32_logits = smollm2.model.forward(ids, torch.arange(ids.shape[0]), smollm2.model.new_cache(ids.shape[0]))
+    bf16_logits = bf16.forward(ids, torch.arange(ids.shape[0]), bf16.new_cache(ids.shape[0]))
+    agreement = (fp32_logits.argmax(-1) == bf16_logits.argmax(-1)).float().mean()
+    assert agreement > 0.9  # bf16 rounds, so near-ties may flip; the bulk must agree
