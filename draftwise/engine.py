@@ -15,6 +15,7 @@ import torch
 from draftwise.config import SamplingParams
 from draftwise.drafters.base import Draft, Drafter, empty_draft
 from draftwise.errors import PromptError
+from draftwise.kv_cache import KVCache
 from draftwise.metrics import RequestMetrics
 from draftwise.models.loading import LoadedModel
 from draftwise.sampling import logits_to_probs, make_generator
@@ -137,7 +138,8 @@ class Engine:
         result = GenerationResult(text.text, text.token_ids, finish_reason, metrics)
         yield StreamUpdate(text.delta(final=True), result)
 
-    def _step(self, context, cache, params, generator, metrics: RequestMetrics, max_length: int) -> list[int]:
+    def _step(self, context: torch.Tensor, cache: KVCache, params: SamplingParams, generator: torch.Generator,
+              metrics: RequestMetrics, max_length: int) -> list[int]:
         """One speculative step; returns the tokens it commits (accepted + one of the target's)."""
         num_committed = context.shape[0]
         # Never draft past the request's budget: the step adds accepted + 1 tokens.
@@ -161,7 +163,7 @@ class Engine:
         return draft.tokens[: verdict.num_accepted].tolist() + [verdict.next_token]
 
 
-def _choose(draft: Draft, target_logits: torch.Tensor, params: SamplingParams, generator) -> Verdict:
+def _choose(draft: Draft, target_logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> Verdict:
     """Verify a (possibly empty) draft against target logits [k + 1, vocab]."""
     if params.is_greedy:
         return verify_greedy(draft.tokens, target_logits)

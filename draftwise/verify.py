@@ -55,7 +55,7 @@ def verify_rejection(
     uniforms = torch.rand(num_draft, generator=generator)
     # u < p/q written as u * q < p: no division, and q > 0 for any token the drafter sampled.
     accepted = (uniforms * draft_token_probs < target_token_probs).int()  # [k]
-    num_accepted = int(accepted.cumprod(dim=0).sum())
+    num_accepted = int(accepted.cumprod(dim=0).sum())  # one sync per step: the engine needs it
     if num_accepted == num_draft:
         return Verdict(num_draft, int(sample(target_probs[num_draft], generator)))
     target_row = target_probs[num_accepted]

@@ -47,8 +47,12 @@ class DecoderShape:
         rope_type = rope.get("rope_type", "default")
         if rope_type != "default":
             raise ModelLoadError(f"rope scaling {rope_type!r} is not supported yet (only 'default').")
-        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", False):
-            raise ModelLoadError("sliding-window attention is not supported yet.")
+        max_context = config.max_position_embeddings
+        window = getattr(config, "sliding_window", None)
+        if window and (config.model_type == "mistral" or getattr(config, "use_sliding_window", False)):
+            # Within the window, sliding-window attention is full attention: cap the context
+            # there rather than silently attend too far.
+            max_context = min(max_context, window)
         num_heads = config.num_attention_heads
         return cls(
             vocab_size=config.vocab_size,
@@ -62,7 +66,7 @@ class DecoderShape:
             rope_theta=rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)),
             qkv_bias=config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            max_context=config.max_position_embeddings,
+            max_context=max_context,
         )
 
 
@@ -95,7 +99,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(shape.hidden_size, kv_size, bias=shape.qkv_bias)
         self.o_proj = nn.Linear(q_size, shape.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, cache: KVCache, layer: int, start: int, mask) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
+                start: int, mask: torch.Tensor | None) -> torch.Tensor:  # x: [T, hidden]
         num_tokens = x.shape[0]
         s = self.shape
         # [T, hidden] -> [1, heads, T, head_dim]
@@ -128,7 +133,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.mlp = MLP(shape)
 
-    def forward(self, x, cos, sin, cache, layer, start, mask) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
+                start: int, mask: torch.Tensor | None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, start, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
