@@ -101,3 +101,21 @@ def test_metrics_are_consistent(smollm2, drafters):
     assert len(metrics.per_position_acceptance) == 3
     assert metrics.per_position_acceptance[0] >= metrics.per_position_acceptance[2]
     assert metrics.tokens_per_second > 0
+
+
+def test_draft_model_cache_equals_replay_of_committed_tokens_after_generation(smollm2):
+    # Lossless output alone cannot reveal a stale draft cache (verification hides bad drafts),
+    # so check the draft model's cache directly against a replay without speculation.
+    import torch
+
+    drafter = ModelDrafter(smollm2.model.truncated(27))
+    engine = Engine(smollm2, drafter, 5)
+    result = engine.generate(PROMPTS[3], SamplingParams(max_new_tokens=30))
+    assert result.metrics.num_accepted_tokens < result.metrics.num_draft_tokens  # rejections happened
+    committed = torch.tensor(engine.encode(PROMPTS[3]) + result.token_ids)
+    length = drafter.cache.length
+    assert 0 < length <= committed.shape[0]
+    replay = drafter.model.new_cache(length)
+    drafter.model.forward(committed[:length], torch.arange(length), replay)
+    assert torch.allclose(drafter.cache.keys[:, :, :, :length], replay.keys, atol=1e-4)
+    assert torch.allclose(drafter.cache.values[:, :, :, :length], replay.values, atol=1e-4)
