@@ -1,4 +1,4 @@
-"""Command line: `draftwise generate`, `draftwise models list|fetch`.
+"""Command line: `draftwise generate`, `draftwise bench`, `draftwise models list|fetch`.
 
 Flags map one-to-one to SamplingParams / SpecConfig fields, in kebab-case.
 """
@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from draftwise.errors import DraftwiseError
 
@@ -38,6 +39,61 @@ def _add_generate(subparsers) -> None:
     cmd.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, finish_reason, metrics")
     cmd.add_argument("--quiet", action="store_true", help="no progress bars")
     cmd.set_defaults(handler=_generate)
+
+
+def _add_bench(subparsers) -> None:
+    from draftwise.models.loading import DTYPES
+    from draftwise.models.registry import DEFAULT_MODEL
+
+    cmd = subparsers.add_parser(
+        "bench", help="time draftwise's drafters against transformers on a prompt suite",
+        description="Runs every method on the same prompts (greedy, same max_new_tokens) in one process, "
+                    "compares outputs with plain greedy decoding, and writes bench.json, bench.md and PNG plots.")
+    cmd.add_argument("--model", default=DEFAULT_MODEL, help=f"target model (default: {DEFAULT_MODEL})")
+    cmd.add_argument("--draft-model", help="same-vocabulary draft model for the model drafter and assisted generation")
+    cmd.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    cmd.add_argument("--num-draft-tokens", type=int, default=5, metavar="K")
+    cmd.add_argument("--max-new-tokens", type=int, default=128)
+    cmd.add_argument("--repeats", type=int, default=3, help="timed runs per prompt and method; the median is reported")
+    cmd.add_argument("--prompts", type=Path, help="folder of *.jsonl prompt files (default: benchmarks/prompts)")
+    cmd.add_argument("--categories", help="comma-separated categories to run (default: all)")
+    cmd.add_argument("--per-category", type=int, help="first N prompts of each category")
+    cmd.add_argument("--quick", action="store_true",
+                     help="smoke run in a few minutes: 1 prompt per category, 32 new tokens, 1 repeat")
+    cmd.add_argument("--no-transformers", action="store_true", help="skip the transformers baselines")
+    cmd.add_argument("--out", type=Path, default=Path("benchmarks/results/latest"), help="where reports go")
+    cmd.add_argument("--quiet", action="store_true", help="no progress bars")
+    cmd.set_defaults(handler=_bench)
+
+
+def _bench(args) -> int:
+    from dataclasses import asdict
+
+    from draftwise.bench.report import write_report
+    from draftwise.bench.runner import BenchConfig, build_methods, run_bench
+    from draftwise.bench.suite import default_prompt_dir, load_suite
+    from draftwise.errors import ConfigError
+
+    if args.repeats < 1 or args.max_new_tokens < 1:
+        raise ConfigError("--repeats and --max-new-tokens must be at least 1.")
+    quick = {"per_category": 1, "max_new_tokens": 32, "repeats": 1} if args.quick else {}
+    config = BenchConfig(model=args.model, draft_model=args.draft_model, dtype=args.dtype,
+                         num_draft_tokens=args.num_draft_tokens,
+                         max_new_tokens=quick.get("max_new_tokens", args.max_new_tokens),
+                         repeats=quick.get("repeats", args.repeats), with_transformers=not args.no_transformers)
+    categories = args.categories.split(",") if args.categories else None
+    prompts = load_suite(args.prompts or default_prompt_dir(), categories, quick.get("per_category", args.per_category))
+    methods, skipped = build_methods(config, progress=not args.quiet)
+    print(f"{len(prompts)} prompts x {len(methods)} methods x {config.repeats} repeats", file=sys.stderr)
+    for note in skipped:
+        print(f"skipped: {note}", file=sys.stderr)
+    rows = run_bench(methods, prompts, config.max_new_tokens, config.repeats, progress=not args.quiet)
+    paths = write_report(args.out, asdict(config), rows, skipped)
+    print(paths[1].read_text())
+    if not any(path.suffix == ".png" for path in paths):
+        print("no plots: install matplotlib (pip install -e '.[bench]')", file=sys.stderr)
+    print("wrote " + ", ".join(str(path) for path in paths), file=sys.stderr)
+    return 0
 
 
 def _add_models(subparsers) -> None:
@@ -99,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="draftwise", description="Lossless speculative decoding.")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_generate(subparsers)
+    _add_bench(subparsers)
     _add_models(subparsers)
     return parser
 

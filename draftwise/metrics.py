@@ -67,6 +67,8 @@ class RequestMetrics:
             "acceptance_rate": self.acceptance_rate,
             "mean_accepted_length": self.mean_accepted_length,
             "per_position_acceptance": self.per_position_acceptance,
+            "proposed_per_position": list(self.proposed_per_position),
+            "accepted_per_position": list(self.accepted_per_position),
             "tokens_per_second": self.tokens_per_second,
             "prefill_s": self.prefill_s,
             "draft_s": self.draft_s,

@@ -1,0 +1,1 @@
+"""`draftwise bench`: the same prompts through draftwise and its peers, in one process."""

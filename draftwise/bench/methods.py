@@ -1,0 +1,61 @@
+"""The generation methods a benchmark compares, behind one small interface."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from draftwise.config import SamplingParams
+from draftwise.engine import Engine
+from draftwise.metrics import RequestMetrics
+
+
+@dataclass(slots=True)
+class MethodOutput:
+    token_ids: list[int]  # generated ids, without a final EOS
+    metrics: RequestMetrics | None  # draftwise's speculation statistics; None for peers
+
+
+class Method(Protocol):
+    name: str  # as shown in reports, e.g. "draftwise ngram k=5"
+    lossless: bool  # must reproduce plain greedy output exactly (in float32)
+
+    def run(self, messages: list[dict], max_new_tokens: int) -> MethodOutput:
+        ...
+
+
+class DraftwiseMethod:
+    lossless = True
+
+    def __init__(self, name: str, engine: Engine) -> None:
+        self.name = name
+        self.engine = engine
+
+    def run(self, messages: list[dict], max_new_tokens: int) -> MethodOutput:
+        result = self.engine.generate(messages, SamplingParams(max_new_tokens=max_new_tokens))
+        return MethodOutput(result.token_ids, result.metrics)
+
+
+class TransformersMethod:
+    """transformers' `generate`, greedy, with the generation options given (prompt lookup,
+    assistant model), on the same token ids draftwise sees."""
+
+    lossless = True
+
+    def __init__(self, name: str, model, encode, eos_token_ids: tuple[int, ...], **generate_options) -> None:
+        self.name = name
+        self.model = model
+        self.encode = encode  # messages -> token ids, draftwise's own chat rendering
+        self.eos_token_ids = set(eos_token_ids)
+        self.generate_options = generate_options
+
+    def run(self, messages: list[dict], max_new_tokens: int) -> MethodOutput:
+        input_ids = torch.tensor([self.encode(messages)])
+        with torch.no_grad():
+            output = self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                                         max_new_tokens=max_new_tokens, pad_token_id=0, **self.generate_options)
+        tokens = output[0, input_ids.shape[1]:].tolist()
+        ends = [index for index, token in enumerate(tokens) if token in self.eos_token_ids]
+        return MethodOutput(tokens[: ends[0]] if ends else tokens, None)

@@ -1,0 +1,82 @@
+"""`draftwise bench`: the task suite, the summary arithmetic, and a small real run end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from draftwise.bench.report import summarize, write_report
+from draftwise.bench.runner import BenchConfig, build_methods, run_bench
+from draftwise.bench.suite import default_prompt_dir, load_suite
+from draftwise.errors import ConfigError
+
+CATEGORIES = {"chat", "code_edit", "summarization", "translation", "rag_qa", "math"}
+
+
+def test_suite_has_six_categories_of_eight_prompts():
+    prompts = load_suite(default_prompt_dir())
+    assert {p.category for p in prompts} == CATEGORIES
+    for category in CATEGORIES:
+        assert sum(p.category == category for p in prompts) >= 8
+    assert len({p.id for p in prompts}) == len(prompts)
+    assert all(p.messages[-1]["role"] == "user" for p in prompts)
+
+
+def test_suite_filters_by_category_and_count():
+    prompts = load_suite(default_prompt_dir(), categories=["math", "chat"], per_category=2)
+    assert sorted(p.category for p in prompts) == ["chat", "chat", "math", "math"]
+
+
+def test_malformed_prompt_file_names_file_and_line(tmp_path):
+    (tmp_path / "bad.jsonl").write_text('{"id": "x", "category": "chat", "messages": []}\n{"id": "y"}\n')
+    with pytest.raises(ConfigError, match="bad.jsonl:2"):
+        load_suite(tmp_path)
+
+
+def stats(committed: int, forwards: int, drafted: int, accepted: int, proposed_pp, accepted_pp) -> dict:
+    return {"num_committed_tokens": committed, "num_target_forwards": forwards, "num_draft_tokens": drafted,
+            "num_accepted_tokens": accepted, "proposed_per_position": proposed_pp,
+            "accepted_per_position": accepted_pp, "draft_s": 0.1, "verify_s": 0.8, "prefill_s": 0.1,
+            "overhead_s": 0.0, "total_s": 1.0}
+
+
+def test_summary_speedups_are_throughput_ratios_within_a_category():
+    rows = [
+        {"category": "c", "method": "draftwise plain", "num_tokens": 10, "seconds": 2.0, "same_as_plain": True,
+         "metrics": stats(10, 10, 0, 0, [], [])},
+        {"category": "c", "method": "draftwise ngram k=2", "num_tokens": 10, "seconds": 1.0, "same_as_plain": False,
+         "metrics": stats(10, 4, 8, 6, [4, 4], [4, 2])},
+        {"category": "c", "method": "transformers plain", "num_tokens": 10, "seconds": 4.0, "same_as_plain": True,
+         "metrics": None},
+    ]
+    by_method = {e["method"]: e for e in summarize(rows) if e["category"] == "c"}
+    ngram = by_method["draftwise ngram k=2"]
+    assert ngram["speedup_vs_draftwise_plain"] == pytest.approx(2.0)
+    assert ngram["speedup_vs_transformers_plain"] == pytest.approx(4.0)
+    assert ngram["mean_accepted_length"] == pytest.approx(2.5)
+    assert ngram["acceptance_rate"] == pytest.approx(0.75)
+    assert ngram["per_position_acceptance"] == pytest.approx([1.0, 0.5])
+    assert ngram["num_mismatches"] == 1
+    assert "mean_accepted_length" not in by_method["transformers plain"]
+
+
+def test_small_real_run_matches_plain_greedy_and_writes_reports(smollm2, tmp_path):
+    config = BenchConfig(max_new_tokens=16, repeats=1)
+    methods, skipped = build_methods(config, progress=False)
+    names = [m.name for m in methods]
+    assert names[:2] == ["draftwise plain", "draftwise ngram k=5"]
+    assert "transformers plain" in names and "transformers prompt lookup 10" in names
+    assert any("model" in note and "--draft-model" in note for note in skipped)
+    prompts = load_suite(default_prompt_dir(), categories=["code_edit", "chat"], per_category=1)
+    rows = run_bench(methods, prompts, config.max_new_tokens, config.repeats, progress=False)
+    assert len(rows) == len(prompts) * len(methods)
+    # float32: every lossless method reproduces plain greedy decoding, token for token.
+    assert all(row["same_as_plain"] for row in rows), [(r["method"], r["prompt"]) for r in rows if not r["same_as_plain"]]
+    assert all(row["tokens_per_second"] > 0 for row in rows)
+    paths = write_report(tmp_path, {"model": "smollm2-135m", "draft_model": None, "dtype": "float32",
+                                    "max_new_tokens": 16, "repeats": 1}, rows, skipped)
+    assert {p.name for p in paths} == {"bench.json", "bench.md", "speedup.png", "acceptance.png"}
+    assert all(p.stat().st_size > 0 for p in paths)
+    assert json.loads((tmp_path / "bench.json").read_text())["summary"]
+    assert "| all | draftwise ngram k=5 |" in (tmp_path / "bench.md").read_text()
