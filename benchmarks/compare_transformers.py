@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-import draftwise
+from draftwise.bench.methods import DraftwiseMethod, TransformersMethod
 from draftwise.drafters import ModelDrafter, NgramDrafter
 from draftwise.engine import Engine
 from draftwise.models import loading
@@ -64,43 +64,32 @@ def main() -> None:
     hf_target = AutoModelForCausalLM.from_pretrained(target.folder, dtype=torch_dtype).eval()
     draft = loading.load(args.draft, dtype=args.dtype) if args.draft else None
     hf_draft = AutoModelForCausalLM.from_pretrained(draft.folder, dtype=torch_dtype).eval() if draft else None
-    params = draftwise.SamplingParams(max_new_tokens=args.max_new_tokens)
     eos = set(target.model.info.eos_token_ids)
     k = args.num_draft_tokens
 
-    methods = {"draftwise plain": Engine(target), f"draftwise ngram k={k}": Engine(target, NgramDrafter(), k)}
+    methods = [DraftwiseMethod("draftwise plain", Engine(target)),
+               DraftwiseMethod(f"draftwise ngram k={k}", Engine(target, NgramDrafter(), k))]
     if draft:
-        methods[f"draftwise model k={k}"] = Engine(target, ModelDrafter(draft.model), k)
-    hf_methods = {"transformers plain": {},
-                  f"transformers prompt lookup {args.prompt_lookup_tokens}": {"prompt_lookup_num_tokens": args.prompt_lookup_tokens}}
+        methods.append(DraftwiseMethod(f"draftwise model k={k}", Engine(target, ModelDrafter(draft.model), k)))
+    encode = methods[0].engine.encode
+    methods.append(TransformersMethod("transformers plain", hf_target, encode, eos))
+    methods.append(TransformersMethod(f"transformers prompt lookup {args.prompt_lookup_tokens}", hf_target, encode,
+                                      eos, prompt_lookup_num_tokens=args.prompt_lookup_tokens))
     if hf_draft:
-        hf_methods["transformers assisted"] = {"assistant_model": hf_draft}
+        methods.append(TransformersMethod("transformers assisted", hf_target, encode, eos, assistant_model=hf_draft))
 
     rows = []
     for category, prompt in PROMPTS.items():
         reference = None
-        for name, engine in methods.items():
-            result, seconds = time_runs(lambda: engine.generate(prompt, params), args.repeats)
-            reference = reference if reference is not None else result.token_ids
-            rows.append({"category": category, "method": name, "tokens": len(result.token_ids),
-                         "tokens_per_second": len(result.token_ids) / seconds,
-                         "mean_accepted_length": result.metrics.mean_accepted_length,
-                         "acceptance_rate": result.metrics.acceptance_rate,
-                         "same_as_plain": result.token_ids == reference})
-            print(rows[-1], flush=True)
-        input_ids = torch.tensor([methods["draftwise plain"].encode(prompt)])
-        for name, extra in hf_methods.items():
-            def run():
-                with torch.no_grad():
-                    out = hf_target.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                                             max_new_tokens=args.max_new_tokens, pad_token_id=0, **extra)
-                tokens = out[0, input_ids.shape[1]:].tolist()
-                cut = [i for i, token in enumerate(tokens) if token in eos]
-                return tokens[: cut[0]] if cut else tokens
-            tokens, seconds = time_runs(run, args.repeats)
-            rows.append({"category": category, "method": name, "tokens": len(tokens),
-                         "tokens_per_second": len(tokens) / seconds, "mean_accepted_length": None,
-                         "acceptance_rate": None, "same_as_plain": tokens == reference})
+        for method in methods:
+            output, seconds = time_runs(lambda: method.run(prompt, args.max_new_tokens), args.repeats)
+            reference = reference if reference is not None else output.token_ids
+            metrics = output.metrics
+            rows.append({"category": category, "method": method.name, "tokens": len(output.token_ids),
+                         "tokens_per_second": len(output.token_ids) / seconds,
+                         "mean_accepted_length": metrics.mean_accepted_length if metrics else None,
+                         "acceptance_rate": metrics.acceptance_rate if metrics else None,
+                         "same_as_plain": output.token_ids == reference})
             print(rows[-1], flush=True)
 
     plain = {row["category"]: row["tokens_per_second"] for row in rows if row["method"] == "transformers plain"}

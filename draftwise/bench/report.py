@@ -113,11 +113,7 @@ def _plots(out_dir: Path, summary: list[dict], title: str) -> list[Path]:
     ax.set_xticks([i + width * (len(methods) - 1) / 2 for i in range(len(categories))], categories)
     ax.set_ylabel("speed-up over draftwise plain")
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    speedup = out_dir / "speedup.png"
-    fig.savefig(speedup, dpi=120)
-    plt.close(fig)
+    speedup = _save(fig, ax, out_dir / "speedup.png")
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for method in methods:
@@ -128,9 +124,15 @@ def _plots(out_dir: Path, summary: list[dict], title: str) -> list[Path]:
     ax.set_ylabel("acceptance (of drafts reaching the position)")
     ax.set_ylim(0, 1)
     ax.set_title(title, fontsize=9)
+    acceptance = _save(fig, ax, out_dir / "acceptance.png")
+    return [speedup, acceptance]
+
+
+def _save(fig, ax, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
     ax.legend(fontsize=8)
     fig.tight_layout()
-    acceptance = out_dir / "acceptance.png"
-    fig.savefig(acceptance, dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
-    return [speedup, acceptance]
+    return path
