@@ -15,6 +15,8 @@ residual after a rejection) must be rejected by the very same test.
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import pytest
 import torch
@@ -44,6 +46,8 @@ def chi_square_p_value(counts: np.ndarray, expected_probs: np.ndarray) -> float:
     support = expected_probs > 0
     # A token the target forbids (filtered by top-k/top-p/min-p) must never be emitted.
     assert counts[~support].sum() == 0, f"emitted a token of target probability 0: {counts}"
+    if support.sum() == 1:
+        return 1.0  # all mass on one token: the assertion above was the whole test
     expected = expected_probs[support].astype(np.float64)
     expected /= expected.sum()  # float32 probabilities sum to 1 only up to rounding
     return stats.chisquare(counts[support], counts[support].sum() * expected).pvalue
@@ -112,7 +116,10 @@ def test_sample_size_gives_the_stated_power():
 @pytest.mark.parametrize("case", list(CASES))
 def test_emitted_tokens_follow_target_distribution(case):
     params, point_mass = CASES[case]
-    target_probs, draft_probs, fixed_draft = make_case(params, seed=hash(case) % 1000, point_mass=point_mass)
+    # A stable seed (str hashes change between processes) makes every run test the same case.
+    target_probs, draft_probs, fixed_draft = make_case(params, seed=zlib.crc32(case.encode()), point_mass=point_mass)
+    # The first position must leave a real goodness-of-fit test (two tokens or more).
+    assert int((target_probs[0] > 0).sum()) >= 2
     num_trials = required_samples(VOCAB)
     first, second = run_trials(verify_rejection, target_probs, draft_probs, fixed_draft, num_trials, seed=7)
     assert chi_square_p_value(first, target_probs[0].numpy()) > ALPHA
