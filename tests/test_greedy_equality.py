@@ -7,8 +7,8 @@ differently, so a near-tie between two tokens can flip and outputs legitimately 
 from __future__ import annotations
 
 import pytest
-import torch
 
+from draftwise.bench.methods import TransformersMethod
 from draftwise.config import SamplingParams
 from draftwise.drafters import ModelDrafter, NgramDrafter
 from draftwise.engine import Engine
@@ -30,16 +30,11 @@ def truncated_drafter(smollm2) -> ModelDrafter:
 
 
 def test_plain_greedy_matches_transformers_generate(smollm2, hf_smollm2, plain_outputs):
-    engine = Engine(smollm2)
-    eos = set(smollm2.model.info.eos_token_ids)
+    # transformers' greedy `generate` on the same token ids, cut before EOS as draftwise's output is.
+    transformers_greedy = TransformersMethod("transformers plain", hf_smollm2, Engine(smollm2).encode,
+                                             smollm2.model.info.eos_token_ids)
     for prompt, ours in zip(PROMPTS, plain_outputs):
-        ids = torch.tensor([engine.encode(prompt)])
-        with torch.no_grad():
-            generated = hf_smollm2.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                            max_new_tokens=PARAMS.max_new_tokens, pad_token_id=0)
-        reference = generated[0, ids.shape[1]:].tolist()
-        if any(token in eos for token in reference):  # draftwise does not return the EOS token
-            reference = reference[: min(reference.index(token) for token in eos if token in reference)]
+        reference = transformers_greedy.run(prompt, PARAMS.max_new_tokens).token_ids
         assert ours == reference, f"prompt {prompt!r}"
 
 

@@ -20,15 +20,12 @@ class MethodOutput:
 
 class Method(Protocol):
     name: str  # as shown in reports, e.g. "draftwise ngram k=5"
-    lossless: bool  # must reproduce plain greedy output exactly (in float32)
 
     def run(self, messages: list[dict], max_new_tokens: int) -> MethodOutput:
         ...
 
 
 class DraftwiseMethod:
-    lossless = True
-
     def __init__(self, name: str, engine: Engine) -> None:
         self.name = name
         self.engine = engine
@@ -41,8 +38,6 @@ class DraftwiseMethod:
 class TransformersMethod:
     """transformers' `generate`, greedy, with the generation options given (prompt lookup,
     assistant model), on the same token ids draftwise sees."""
-
-    lossless = True
 
     def __init__(self, name: str, model, encode, eos_token_ids: tuple[int, ...], **generate_options) -> None:
         self.name = name

@@ -9,6 +9,10 @@ from pathlib import Path
 BASELINES = ("draftwise plain", "transformers plain")
 
 
+def speedup_key(baseline: str) -> str:
+    return f"speedup_vs_{baseline.replace(' ', '_')}"
+
+
 def summarize(rows: list[dict]) -> list[dict]:
     """Aggregate per (category, method) and over all prompts ("all"): throughput is total tokens
     over total seconds; speed-ups are ratios against each baseline measured in the same run."""
@@ -41,7 +45,7 @@ def summarize(rows: list[dict]) -> list[dict]:
     for entry in summary:
         for baseline in BASELINES:
             base = rates.get((entry["category"], baseline))
-            entry[f"speedup_vs_{baseline.replace(' ', '_')}"] = entry["tokens_per_second"] / base if base else None
+            entry[speedup_key(baseline)] = entry["tokens_per_second"] / base if base else None
     return summary
 
 
@@ -66,7 +70,7 @@ def markdown_table(summary: list[dict], title: str) -> str:
     for e in sorted(summary, key=lambda e: (e["category"] == "all", e["category"])):
         cells = [e["category"], e["method"], f"{e['tokens_per_second']:.2f}"]
         for baseline in BASELINES:
-            ratio = e.get(f"speedup_vs_{baseline.replace(' ', '_')}")
+            ratio = e.get(speedup_key(baseline))
             cells.append("" if ratio is None else f"{ratio:.2f}x")
         if "mean_accepted_length" in e:
             cells += [f"{e['mean_accepted_length']:.2f}", f"{100 * e['acceptance_rate']:.0f}%",
@@ -107,7 +111,7 @@ def _plots(out_dir: Path, summary: list[dict], title: str) -> list[Path]:
     fig, ax = plt.subplots(figsize=(max(8, 1.4 * len(categories)), 4.5))
     width = 0.8 / max(1, len(methods))
     for index, method in enumerate(methods):
-        values = [(lookup.get((c, method)) or {}).get("speedup_vs_draftwise_plain") or 0 for c in categories]
+        values = [(lookup.get((c, method)) or {}).get(speedup_key("draftwise plain")) or 0 for c in categories]
         ax.bar([i + index * width for i in range(len(categories))], values, width, label=method)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([i + width * (len(methods) - 1) / 2 for i in range(len(categories))], categories)
