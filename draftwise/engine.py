@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from draftwise.config import SamplingParams
+from draftwise.draft_length import DraftLengthPolicy
 from draftwise.drafters.base import Draft, Drafter, empty_draft
 from draftwise.errors import PromptError
 from draftwise.kv_cache import KVCache
@@ -57,10 +58,15 @@ class NoDrafter:
 
 
 class Engine:
-    def __init__(self, target: LoadedModel, drafter: Drafter | None = None, num_draft_tokens: int = 5) -> None:
+    def __init__(self, target: LoadedModel, drafter: Drafter | None = None, num_draft_tokens: int = 5,
+                 draft_length: DraftLengthPolicy | None = None) -> None:
+        """num_draft_tokens is the most a step drafts; with a draft_length policy each step
+        verifies the share of the draft that the policy expects to pay off (see
+        draftwise.draft_length), without one it verifies every draft token."""
         self.target = target
         self.drafter: Drafter = drafter if drafter is not None else NoDrafter()
         self.num_draft_tokens = num_draft_tokens
+        self.draft_length = draft_length
 
     @property
     def tokenizer(self):
@@ -146,13 +152,21 @@ class Engine:
         budget = min(self.num_draft_tokens, max_length - num_committed - 1)
         tic = time.perf_counter()
         draft = self.drafter.propose(context, budget) if budget > 0 else empty_draft()
+        if self.draft_length is not None and draft.tokens.shape[0]:
+            draft = draft.trimmed(self.draft_length.choose(draft.key, draft.tokens.shape[0]))
         toc = time.perf_counter()
         num_proposed = draft.tokens.shape[0]
         # The cache holds every committed token but the last; score it and the draft at once.
         inputs = torch.cat((context[-1:], draft.tokens))  # [1 + k]
         positions = torch.arange(num_committed - 1, num_committed + num_proposed)
         logits = self.target.model.forward(inputs, positions, cache)  # [1 + k, vocab]
+        forward_s = time.perf_counter() - toc
+        metrics.target_forward_s += forward_s
         verdict = _choose(draft, logits, params, generator)
+        if self.draft_length is not None:
+            self.draft_length.observe_forward(1 + num_proposed, forward_s)
+            if num_proposed:
+                self.draft_length.observe_verdict(draft.key, num_proposed, verdict.num_accepted)
         # Roll back, in one place, both caches to the committed prefix they both saw.
         num_valid = num_committed + verdict.num_accepted
         cache.truncate(num_valid)

@@ -18,6 +18,7 @@ class RequestMetrics:
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0  # target forwards after prefill, plus the verifier
+    target_forward_s: float = 0.0  # the target forwards alone (part of verify_s)
     total_s: float = 0.0  # prefill through the last token
 
     def record_step(self, num_proposed: int, num_accepted: int, num_committed: int) -> None:
@@ -56,6 +57,13 @@ class RequestMetrics:
     def overhead_s(self) -> float:
         return max(0.0, self.total_s - self.prefill_s - self.draft_s - self.verify_s)
 
+    @property
+    def overhead_vs_forward(self) -> float:
+        """Time outside model forwards and drafting (verifier, commit, streaming text) per step,
+        as a fraction of one target forward."""
+        outside = self.overhead_s + self.verify_s - self.target_forward_s
+        return outside / self.target_forward_s if self.target_forward_s else 0.0
+
     def to_dict(self) -> dict:
         return {
             "num_prompt_tokens": self.num_prompt_tokens,
@@ -73,6 +81,8 @@ class RequestMetrics:
             "prefill_s": self.prefill_s,
             "draft_s": self.draft_s,
             "verify_s": self.verify_s,
+            "target_forward_s": self.target_forward_s,
+            "overhead_vs_forward": self.overhead_vs_forward,
             "overhead_s": self.overhead_s,
             "total_s": self.total_s,
         }

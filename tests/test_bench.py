@@ -38,17 +38,17 @@ def stats(committed: int, forwards: int, drafted: int, accepted: int, proposed_p
     return {"num_committed_tokens": committed, "num_target_forwards": forwards, "num_draft_tokens": drafted,
             "num_accepted_tokens": accepted, "proposed_per_position": proposed_pp,
             "accepted_per_position": accepted_pp, "draft_s": 0.1, "verify_s": 0.8, "prefill_s": 0.1,
-            "overhead_s": 0.0, "total_s": 1.0}
+            "overhead_s": 0.0, "target_forward_s": 0.7, "total_s": 1.0}
 
 
 def test_summary_speedups_are_throughput_ratios_within_a_category():
     rows = [
-        {"category": "c", "method": "draftwise plain", "num_tokens": 10, "seconds": 2.0, "same_as_plain": True,
-         "metrics": stats(10, 10, 0, 0, [], [])},
-        {"category": "c", "method": "draftwise ngram k=2", "num_tokens": 10, "seconds": 1.0, "same_as_plain": False,
-         "metrics": stats(10, 4, 8, 6, [4, 4], [4, 2])},
-        {"category": "c", "method": "transformers plain", "num_tokens": 10, "seconds": 4.0, "same_as_plain": True,
-         "metrics": None},
+        {"category": "c", "method": "draftwise plain", "num_tokens": 10, "seconds": 2.0, "reference": None,
+         "same_as_reference": None, "metrics": stats(10, 10, 0, 0, [], [])},
+        {"category": "c", "method": "draftwise ngram k=2", "num_tokens": 10, "seconds": 1.0, "reference": "draftwise plain",
+         "same_as_reference": False, "metrics": stats(10, 4, 8, 6, [4, 4], [4, 2])},
+        {"category": "c", "method": "transformers plain", "num_tokens": 10, "seconds": 4.0, "reference": "draftwise plain",
+         "same_as_reference": True, "metrics": None},
     ]
     by_method = {e["method"]: e for e in summarize(rows) if e["category"] == "c"}
     ngram = by_method["draftwise ngram k=2"]
@@ -58,25 +58,54 @@ def test_summary_speedups_are_throughput_ratios_within_a_category():
     assert ngram["acceptance_rate"] == pytest.approx(0.75)
     assert ngram["per_position_acceptance"] == pytest.approx([1.0, 0.5])
     assert ngram["num_mismatches"] == 1
+    assert ngram["overhead_vs_forward"] == pytest.approx(0.1 / 0.7)  # the verifier's 0.1 s outside the forwards
     assert "mean_accepted_length" not in by_method["transformers plain"]
 
 
 def test_small_real_run_matches_plain_greedy_and_writes_reports(smollm2, tmp_path):
-    config = BenchConfig(max_new_tokens=16, repeats=1)
+    config = BenchConfig(max_new_tokens=16, repeats=1, with_llama_cpp=False)
     methods, skipped = build_methods(config, progress=False)
     names = [m.name for m in methods]
-    assert names[:2] == ["draftwise plain", "draftwise ngram k=5"]
-    assert "transformers plain" in names and "transformers prompt lookup 10" in names
+    assert names[:2] == ["draftwise plain", "draftwise ngram k<=10 adaptive"]
+    assert "transformers plain" in names and "transformers prompt lookup" in names
     assert any("model" in note and "--draft-model" in note for note in skipped)
     prompts = load_suite(default_prompt_dir(), categories=["code_edit", "chat"], per_category=1)
     rows = run_bench(methods, prompts, config.max_new_tokens, config.repeats, progress=False)
     assert len(rows) == len(prompts) * len(methods)
     # float32: every lossless method reproduces plain greedy decoding, token for token.
-    assert all(row["same_as_plain"] for row in rows), [(r["method"], r["prompt"]) for r in rows if not r["same_as_plain"]]
+    checked = [row for row in rows if row["method"] != "draftwise plain"]
+    assert all(row["reference"] == "draftwise plain" for row in checked)
+    assert all(row["same_as_reference"] for row in checked), [(r["method"], r["prompt"]) for r in checked
+                                                              if not r["same_as_reference"]]
     assert all(row["tokens_per_second"] > 0 for row in rows)
     paths = write_report(tmp_path, {"model": "smollm2-135m", "draft_model": None, "dtype": "float32",
-                                    "max_new_tokens": 16, "repeats": 1}, rows, skipped)
+                                    "max_new_tokens": 16, "repeats": 1, "threads": 2}, rows, skipped)
     assert {p.name for p in paths} == {"bench.json", "bench.md", "speedup.png", "acceptance.png"}
     assert all(p.stat().st_size > 0 for p in paths)
     assert json.loads((tmp_path / "bench.json").read_text())["summary"]
-    assert "| all | draftwise ngram k=5 |" in (tmp_path / "bench.md").read_text()
+    assert "| all | draftwise ngram k<=10 adaptive |" in (tmp_path / "bench.md").read_text()
+
+
+def test_quantized_rows_are_checked_against_their_own_plain_decoding(smollm2):
+    config = BenchConfig(max_new_tokens=16, repeats=1, quantize=("int4",), with_transformers=False,
+                         with_llama_cpp=False)
+    methods, _ = build_methods(config, progress=False)
+    references = {m.name: m.reference for m in methods}
+    assert references["draftwise int4 plain"] is None
+    assert references["draftwise int4 ngram k<=10 adaptive"] == "draftwise int4 plain"
+    assert references["draftwise ngram k<=10 adaptive"] == "draftwise plain"
+
+
+def test_llama_cpp_is_skipped_with_the_install_command_when_missing(smollm2, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # makes `import llama_cpp` fail
+    config = BenchConfig(max_new_tokens=16, repeats=1, with_transformers=False)
+    methods, skipped = build_methods(config, progress=False)
+    assert not any(m.name.startswith("llama.cpp") for m in methods)
+    assert any(note.startswith("llama.cpp:") and "pip install llama-cpp-python" in note for note in skipped)
+
+
+def test_unknown_quantization_is_refused_before_loading():
+    with pytest.raises(ConfigError, match="int3"):
+        BenchConfig(quantize=("int3",))

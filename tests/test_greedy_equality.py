@@ -11,6 +11,7 @@ import pytest
 from draftwise.bench.methods import TransformersMethod
 from draftwise.config import SamplingParams
 from draftwise.drafters import ModelDrafter, NgramDrafter
+from draftwise.draft_length import DraftLengthPolicy
 from draftwise.engine import Engine
 from tests.conftest import PROMPTS
 
@@ -57,3 +58,17 @@ def test_model_drafter_output_equals_plain_greedy(smollm2, plain_outputs, trunca
     num_accepted = sum(r.metrics.num_accepted_tokens for r in results)
     # Both paths of the verifier were exercised: some drafts kept, some rolled back.
     assert 0 < num_accepted < num_proposed
+
+
+@pytest.mark.parametrize("drafter_name", ["ngram", "model"])
+def test_adaptive_draft_length_output_equals_plain_greedy(smollm2, plain_outputs, truncated_drafter, drafter_name):
+    # The policy trims drafts by measured timings, so each run verifies different lengths;
+    # whatever it trims, the output must not change.
+    drafter = NgramDrafter() if drafter_name == "ngram" else truncated_drafter
+    policy = DraftLengthPolicy()
+    engine = Engine(smollm2, drafter, 10, policy)
+    results = [engine.generate(prompt, PARAMS) for prompt in PROMPTS]
+    for prompt, result, expected in zip(PROMPTS, results, plain_outputs):
+        assert result.token_ids == expected, f"prompt {prompt!r}"
+    assert sum(r.metrics.num_accepted_tokens for r in results) > 0
+    assert 1 in policy.forward_s and len(policy.forward_s) > 1  # it measured plain and verify forwards

@@ -20,15 +20,19 @@ class MethodOutput:
 
 class Method(Protocol):
     name: str  # as shown in reports, e.g. "draftwise ngram k=5"
+    # The method whose greedy output this one must reproduce token for token (plain decoding
+    # on the same weights); None for a method that is itself such a reference.
+    reference: str | None
 
     def run(self, messages: list[dict], max_new_tokens: int) -> MethodOutput:
         ...
 
 
 class DraftwiseMethod:
-    def __init__(self, name: str, engine: Engine) -> None:
+    def __init__(self, name: str, engine: Engine, reference: str | None) -> None:
         self.name = name
         self.engine = engine
+        self.reference = reference
 
     def run(self, messages: list[dict], max_new_tokens: int) -> MethodOutput:
         result = self.engine.generate(messages, SamplingParams(max_new_tokens=max_new_tokens))
@@ -38,6 +42,8 @@ class DraftwiseMethod:
 class TransformersMethod:
     """transformers' `generate`, greedy, with the generation options given (prompt lookup,
     assistant model), on the same token ids draftwise sees."""
+
+    reference = "draftwise plain"  # the same float weights, so the same greedy output
 
     def __init__(self, name: str, model, encode, eos_token_ids: tuple[int, ...], **generate_options) -> None:
         self.name = name
@@ -54,3 +60,26 @@ class TransformersMethod:
         tokens = output[0, input_ids.shape[1]:].tolist()
         ends = [index for index, token in enumerate(tokens) if token in self.eos_token_ids]
         return MethodOutput(tokens[: ends[0]] if ends else tokens, None)
+
+
+class LlamaCppMethod:
+    """llama.cpp through llama-cpp-python, greedy, on the GGUF file itself (its own quantized
+    weights, so its output is compared with llama.cpp plain, not with draftwise's)."""
+
+    def __init__(self, name: str, llm, encode, eos_token_ids: tuple[int, ...], reference: str | None) -> None:
+        self.name = name
+        self.llm = llm  # a llama_cpp.Llama, with or without a prompt-lookup draft model
+        self.encode = encode
+        self.eos_token_ids = set(eos_token_ids)
+        self.reference = reference
+
+    def run(self, messages: list[dict], max_new_tokens: int) -> MethodOutput:
+        tokens: list[int] = []
+        for token in self.llm.generate(self.encode(messages), top_k=1, top_p=1.0, min_p=0.0, temp=0.0,
+                                       repeat_penalty=1.0, reset=True):
+            if token in self.eos_token_ids:
+                break
+            tokens.append(token)
+            if len(tokens) == max_new_tokens:  # stop before the generator runs another forward
+                break
+        return MethodOutput(tokens, None)

@@ -6,7 +6,8 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-BASELINES = ("draftwise plain", "transformers plain")
+# Speed-ups are reported against each of these that ran.
+BASELINES = ("draftwise plain", "transformers plain", "transformers prompt lookup", "llama.cpp plain")
 
 
 def speedup_key(baseline: str) -> str:
@@ -26,7 +27,8 @@ def summarize(rows: list[dict]) -> list[dict]:
         seconds = sum(r["seconds"] for r in members)
         entry = {"category": category, "method": method, "num_prompts": len(members), "num_tokens": tokens,
                  "tokens_per_second": tokens / seconds if seconds else 0.0,
-                 "num_mismatches": sum(1 for r in members if r["same_as_plain"] is False)}
+                 "num_mismatches": sum(1 for r in members if r["same_as_reference"] is False),
+                 "reference": members[0]["reference"]}
         stats = [r["metrics"] for r in members if r["metrics"]]
         if stats:
             forwards = sum(m["num_target_forwards"] for m in stats)
@@ -39,6 +41,9 @@ def summarize(rows: list[dict]) -> list[dict]:
                 "draft_share": sum(m["draft_s"] for m in stats) / total,
                 "target_share": sum(m["verify_s"] + m["prefill_s"] for m in stats) / total,  # target forwards
                 "overhead_share": sum(m["overhead_s"] for m in stats) / total,
+                # everything outside model forwards and drafting, per step, over one target forward
+                "overhead_vs_forward": sum(m["overhead_s"] + m["verify_s"] - m["target_forward_s"] for m in stats)
+                / max(1e-12, sum(m["target_forward_s"] for m in stats)),
             })
         summary.append(entry)
     rates = {(e["category"], e["method"]): e["tokens_per_second"] for e in summary}
@@ -63,23 +68,33 @@ def _per_position(stats: list[dict]) -> list[float]:
 
 
 def markdown_table(summary: list[dict], title: str) -> str:
+    present = {e["method"] for e in summary}
+    baselines = [b for b in BASELINES if b in present]
     lines = [f"### {title}", "",
-             "| category | method | tok/s | vs draftwise plain | vs transformers plain | tokens/forward | acceptance "
-             "| time: draft / target / overhead | mismatches |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| category | method | tok/s | " + " | ".join(f"vs {b}" for b in baselines)
+             + " | tokens/forward | acceptance | time: draft / target / overhead | overhead per step vs forward "
+             "| mismatches (vs reference) |",
+             "|---|---|---|" + "---|" * len(baselines) + "---|---|---|---|---|"]
     for e in sorted(summary, key=lambda e: (e["category"] == "all", e["category"])):
         cells = [e["category"], e["method"], f"{e['tokens_per_second']:.2f}"]
-        for baseline in BASELINES:
+        for baseline in baselines:
             ratio = e.get(speedup_key(baseline))
             cells.append("" if ratio is None else f"{ratio:.2f}x")
         if "mean_accepted_length" in e:
             cells += [f"{e['mean_accepted_length']:.2f}", f"{100 * e['acceptance_rate']:.0f}%",
-                      f"{100 * e['draft_share']:.0f}% / {100 * e['target_share']:.0f}% / {100 * e['overhead_share']:.1f}%"]
+                      f"{100 * e['draft_share']:.0f}% / {100 * e['target_share']:.0f}% / {100 * e['overhead_share']:.1f}%",
+                      f"{100 * e['overhead_vs_forward']:.1f}%"]
         else:  # peers report no speculation statistics
-            cells += ["", "", ""]
-        cells.append(str(e["num_mismatches"]))
+            cells += ["", "", "", ""]
+        cells.append("" if e["reference"] is None else f"{e['num_mismatches']} (vs {e['reference']})")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 def write_report(out_dir: Path, config: dict, rows: list[dict], skipped: list[str]) -> list[Path]:
@@ -87,7 +102,8 @@ def write_report(out_dir: Path, config: dict, rows: list[dict], skipped: list[st
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = summarize(rows)
     title = (f"{config['model']} (draft {config['draft_model'] or '-'}), {config['dtype']}, "
-             f"max_new_tokens {config['max_new_tokens']}, median of {config['repeats']}")
+             f"max_new_tokens {config['max_new_tokens']}, median of {config['repeats']}, "
+             f"{config.get('threads') or torch_threads()} threads")
     table = markdown_table(summary, title)
     if skipped:
         table += "\nSkipped:\n" + "".join(f"- {note}\n" for note in skipped)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -14,6 +15,14 @@ from draftwise.config import SamplingParams
 class Draft:
     tokens: torch.Tensor  # [n] proposed token ids, 0 <= n <= k (an empty draft is allowed)
     probs: torch.Tensor | None  # [n, vocab] distributions the tokens were drawn from; None = point mass
+    # What kind of draft this is, for the draft-length policy's acceptance statistics (the
+    # n-gram drafter gives its match length); drafts of one kind should be alike in quality.
+    key: Hashable = None
+
+    def trimmed(self, num_tokens: int) -> "Draft":
+        """The first num_tokens draft tokens."""
+        probs = None if self.probs is None else self.probs[:num_tokens]
+        return Draft(self.tokens[:num_tokens], probs, self.key)
 
 
 class Drafter(Protocol):

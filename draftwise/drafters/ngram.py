@@ -28,7 +28,7 @@ class NgramDrafter:
             if starts.numel() == 0:
                 continue
             follow = int(starts[-1]) + n  # latest match: its continuation is always non-empty
-            return Draft(context[follow:follow + num_draft_tokens].clone(), None)
+            return Draft(context[follow:follow + num_draft_tokens].clone(), None, key=n)
         return empty_draft()
 
     def rollback(self, num_valid: int) -> None:

@@ -180,17 +180,25 @@ class LlamaModel(nn.Module):
         return model.eval()
 
     def truncated(self, num_layers: int) -> "LlamaModel":
-        """A cheaper model made of this one's first num_layers layers, sharing its weights:
-        a free draft model that agrees with the target often but not always."""
+        """A cheaper model made of this one's first num_layers layers, sharing its modules (and
+        so its weights, whatever their kernels): a free draft that agrees with the target often
+        but not always."""
         if not 1 <= num_layers <= self.shape.num_layers:
             raise ModelLoadError(f"num_layers={num_layers} must be in 1..{self.shape.num_layers}")
-        shape = replace(self.shape, num_layers=num_layers)
-        info = replace(self.info, name=f"{self.info.name}[:{num_layers} layers]")
-        return LlamaModel.from_state_dict(shape, info, self.state_dict(), self.dtype)
+        with torch.device("meta"):
+            model = LlamaModel(replace(self.shape, num_layers=0), replace(self.info, name=f"{self.info.name}[:{num_layers} layers]"))
+        model.shape = replace(self.shape, num_layers=num_layers)
+        model.model.embed_tokens = self.model.embed_tokens
+        model.model.layers = nn.ModuleList(self.model.layers[:num_layers])
+        model.model.norm = self.model.norm
+        model.lm_head = self.lm_head
+        model.inv_freq = self.inv_freq
+        return model.eval()
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        """The activations' dtype (weights may be quantized below it)."""
+        return self.model.embed_tokens.weight.dtype
 
     def new_cache(self, max_length: int) -> KVCache:
         s = self.shape

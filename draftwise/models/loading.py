@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from draftwise.errors import ConfigError, ModelLoadError, ModelNotFoundError
 from draftwise.models import registry
 from draftwise.models.base import ModelInfo
+from draftwise.models.linear import check_quantize, prepare_linears
 from draftwise.models.llama import DecoderShape, LlamaModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -69,12 +70,15 @@ def resolve(spec: str, auto_fetch: bool = False, progress: bool = True) -> Path:
     )
 
 
-def load(spec: str, dtype: str = "float32", auto_fetch: bool = False, progress: bool = True) -> LoadedModel:
-    """Load spec as a native model in dtype, with its tokenizer."""
+def load(spec: str, dtype: str = "float32", auto_fetch: bool = False, progress: bool = True,
+         quantize: str | None = None) -> LoadedModel:
+    """Load spec as a native model computing in dtype, with its tokenizer; quantize ("int8" or
+    "int4", bfloat16 only) stores its linear layers' weights in fewer bits."""
     from transformers import AutoConfig, AutoTokenizer
     from safetensors.torch import load_file
 
     torch_dtype = parse_dtype(dtype)
+    check_quantize(quantize, torch_dtype)  # before the slow part
     folder = resolve(spec, auto_fetch=auto_fetch, progress=progress)
     with tqdm(total=3, desc=f"loading {spec}", unit="step", disable=not progress, leave=False) as bar:
         config = AutoConfig.from_pretrained(folder)
@@ -92,7 +96,9 @@ def load(spec: str, dtype: str = "float32", auto_fetch: bool = False, progress: 
         max_context=shape.max_context,
         eos_token_ids=_eos_token_ids(config, tokenizer),
     )
-    return LoadedModel(LlamaModel.from_state_dict(shape, info, state_dict, torch_dtype), tokenizer, folder)
+    model = LlamaModel.from_state_dict(shape, info, state_dict, torch_dtype)
+    del state_dict  # the kernels below copy weights into their own layouts: free the originals as they go
+    return LoadedModel(prepare_linears(model, torch_dtype, quantize), tokenizer, folder)
 
 
 def convert_gguf(gguf_file: Path, out_folder: Path) -> Path:

@@ -1,0 +1,65 @@
+"""The draft-length policy: verify long drafts where they are cheap and likely accepted, none
+where they cost more than they bring, learning both from observations."""
+
+from __future__ import annotations
+
+import pytest
+
+from draftwise.draft_length import DraftLengthPolicy
+
+# Seconds of one target forward by tokens scored, shaped like this machine's measurements.
+FLOAT32 = {1: 0.23, 2: 0.39, 6: 0.43, 11: 0.48}  # any draft costs ~1.7x, long ones little more
+BFLOAT16_AMX = {1: 0.18, 6: 0.19, 11: 0.19}  # drafts are nearly free
+INT4 = {1: 0.09, 2: 0.13, 3: 0.15, 6: 0.21, 11: 0.31}  # every token costs
+
+
+def policy_with(costs: dict[int, float], key, accepted_of_10: list[int]) -> DraftLengthPolicy:
+    policy = DraftLengthPolicy()
+    for num_tokens, seconds in costs.items():
+        policy.observe_forward(num_tokens, seconds)
+    for num_accepted in accepted_of_10:
+        policy.observe_verdict(key, 10, num_accepted)
+    return policy
+
+
+def test_measures_a_plain_step_before_drafting():
+    assert DraftLengthPolicy().choose("n=2", 10) == 0
+
+
+def test_long_drafts_when_forwards_are_flat_even_at_modest_acceptance():
+    policy = policy_with(BFLOAT16_AMX, "n=1", [1, 0, 2, 1, 0, 3] * 5)
+    assert policy.choose("n=1", 10) == 10
+
+
+def test_no_draft_when_a_draft_costs_more_than_it_brings():
+    policy = policy_with(FLOAT32, "n=1", [0, 0, 1, 0, 0, 0] * 5)  # ~0.2 tokens accepted per draft
+    assert policy.choose("n=1", 10) == 0
+
+
+def test_kinds_of_draft_are_judged_apart():
+    policy = policy_with(FLOAT32, "n=1", [0, 0, 1, 0] * 5)
+    for _ in range(20):
+        policy.observe_verdict("n=4", 10, 10)  # long matches copy whole spans
+    assert policy.choose("n=1", 10) == 0
+    assert policy.choose("n=4", 10) == 10
+
+
+def test_short_drafts_when_each_token_costs():
+    policy = policy_with(INT4, "model", [2, 1, 3, 2, 1, 2] * 5)  # usually 1-3 accepted
+    chosen = policy.choose("model", 10)
+    assert 1 <= chosen <= 5
+
+
+def test_acceptance_follows_recent_behaviour():
+    policy = policy_with(FLOAT32, "n=2", [10] * 20)
+    assert policy.choose("n=2", 10) == 10
+    for _ in range(60):  # the text moved on: the same kind of match now fails
+        policy.observe_verdict("n=2", 10, 0)
+    assert policy.choose("n=2", 10) == 0
+
+
+def test_unmeasured_sizes_are_interpolated_between_measured_ones():
+    policy = policy_with({1: 1.0, 3: 2.0, 11: 4.0}, "k", [])
+    assert policy._forward_cost(2) == pytest.approx(1.5)
+    assert policy._forward_cost(7) == pytest.approx(3.0)
+    assert policy._forward_cost(16) == pytest.approx(4.0)  # beyond: optimistic, so it is tried
