@@ -90,7 +90,7 @@ def _bench(args) -> int:
     from draftwise.bench.runner import BenchConfig, build_methods, run_bench
     from draftwise.bench.suite import default_prompt_dir, load_suite
 
-    if args.threads:
+    if args.threads is not None:
         torch_threads(args.threads)
 
     quick = {"per_category": 1, "max_new_tokens": 32, "repeats": 1, "quantize": ()} if args.quick else {}
@@ -134,7 +134,7 @@ def _generate(args) -> int:
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
         max_new_tokens=args.max_new_tokens, stop=tuple(args.stop),
     )
-    if args.threads:
+    if args.threads is not None:
         torch_threads(args.threads)
     dtype = args.dtype or ("bfloat16" if args.quantize else "float32")
     engine = draftwise.load(args.model, drafter=args.drafter, draft_model=args.draft_model,

@@ -45,6 +45,9 @@ def test_generate_prints_text_then_statistics(smollm2, capsys):
         (["generate", "hi", "--model", "/no/such/folder"], "unknown model"),
         (["generate", "hi", "--drafter", "model"], "--draft-model"),
         (["generate", "hello " * 9000, "--quiet"], "shorten the prompt"),
+        (["generate", "hi", "--quantize", "int8", "--dtype", "float32"], "--dtype bfloat16"),
+        (["generate", "hi", "--threads", "0"], "--threads 0"),
+        (["bench", "--quantize", "int3"], "int3"),
     ],
 )
 def test_bad_input_gives_one_clear_error_line(smollm2, capsys, argv, message):
@@ -91,3 +94,14 @@ def test_draft_model_with_another_vocabulary_is_refused(smollm2, other_vocab_mod
     code, _, err = run(capsys, "generate", "hi", "--drafter", "model", "--draft-model", str(other_vocab_model), "--quiet")
     assert code == 2
     assert "vocabulary" in err and "--drafter ngram" in err
+
+
+def test_bench_quick_runs_and_writes_its_reports(smollm2, capsys, tmp_path):
+    code, out, err = run(capsys, "bench", "--quick", "--categories", "code_edit,chat", "--no-llama-cpp",
+                         "--out", str(tmp_path), "--quiet")
+    assert code == 0
+    assert "| all | draftwise ngram k<=10 adaptive |" in out and "| all | transformers prompt lookup |" in out
+    assert "2 prompts x 4 methods x 1 repeats" in err  # --quick: no quantized rows, one repeat
+    summary = json.loads((tmp_path / "bench.json").read_text())
+    assert summary["config"]["max_new_tokens"] == 32
+    assert all(row["same_as_reference"] is not False for row in summary["rows"])

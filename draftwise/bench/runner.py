@@ -49,12 +49,14 @@ class BenchConfig:
             raise ConfigError(f"repeats={self.repeats}, max_new_tokens={self.max_new_tokens}: both must be at least 1.")
         for name in self.quantize:
             check_quantize(name, torch.bfloat16)
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"threads={self.threads}: give at least 1.")
 
 
 def build_methods(config: BenchConfig, progress: bool = True) -> tuple[list[Method], list[str]]:
     """Every draftwise drafter in the registry, quantized draftwise rows, then the peers
     (transformers, llama.cpp). Returns the methods and notes on what was skipped and why."""
-    if config.threads:
+    if config.threads is not None:
         torch.set_num_threads(config.threads)
     target = loading.load(config.model, dtype=config.dtype, auto_fetch=True, progress=progress)
     skipped: list[str] = []
