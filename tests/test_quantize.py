@@ -23,7 +23,8 @@ from draftwise.drafters import NgramDrafter
 from draftwise.config import SamplingParams
 from draftwise.errors import ConfigError
 from draftwise.models import loading
-from draftwise.models.linear import Int4Linear, Int8Linear, TransposedLinear, prepare_linears
+from draftwise.models.linear import (INT8_DEQUANTIZE_ROWS, Int4Linear, Int8Linear, TransposedLinear,
+                                     prepare_linears)
 from tests.conftest import PROMPTS
 from tests.test_model_parity import prompt_ids
 
@@ -54,6 +55,14 @@ def test_quantized_kernels_approximate_the_float_product(kernel, max_relative_er
     assert relative < max_relative_error
     # ... and it is the weights that carry the error, not a lost bias or a transposed product
     assert relative > 1e-4
+
+
+def test_int8_prefill_path_computes_what_its_kernel_computes():
+    layer = Int8Linear(random_linear(1536, 576, bias=True))
+    rows = torch.randn(INT8_DEQUANTIZE_ROWS + 8, 1536).bfloat16()
+    few = torch.cat([layer(rows[i:i + 4]) for i in range(0, rows.shape[0], 4)])  # the int8 kernel
+    many = layer(rows)  # dequantised weight, bfloat16 matmul
+    assert ((many.float() - few.float()).norm() / few.float().norm()) < 0.01
 
 
 def test_int4_refuses_shapes_its_kernel_cannot_pack():
