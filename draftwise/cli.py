@@ -15,6 +15,7 @@ from draftwise.errors import DraftwiseError
 
 
 def _add_generate(subparsers) -> None:
+    from draftwise.config import DRAFT_LENGTHS
     from draftwise.drafters import DRAFTERS
     from draftwise.models.linear import QUANTIZATIONS
     from draftwise.models.loading import DTYPES
@@ -28,7 +29,7 @@ def _add_generate(subparsers) -> None:
     cmd.add_argument("--draft-model", help="the draft model for --drafter model: name or path")
     cmd.add_argument("--num-draft-tokens", type=int, metavar="K",
                      help="most draft tokens per step (default: 10 for ngram, 5 for model)")
-    cmd.add_argument("--draft-length", default="adaptive", choices=["adaptive", "fixed"],
+    cmd.add_argument("--draft-length", default="adaptive", choices=list(DRAFT_LENGTHS),
                      help="adaptive: verify the share of each draft that measured costs say pays off (default); "
                           "fixed: always verify K")
     cmd.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -51,6 +52,7 @@ def _add_generate(subparsers) -> None:
 
 
 def _add_bench(subparsers) -> None:
+    from draftwise.config import DRAFT_LENGTHS
     from draftwise.models.loading import DTYPES
     from draftwise.models.registry import DEFAULT_MODEL
 
@@ -67,7 +69,7 @@ def _add_bench(subparsers) -> None:
     cmd.add_argument("--threads", type=int, help="CPU threads for every method (default: PyTorch's, one per core)")
     cmd.add_argument("--num-draft-tokens", type=int, metavar="K",
                      help="most draft tokens per step (default: 10 for ngram, 5 for model)")
-    cmd.add_argument("--draft-length", default="adaptive", choices=["adaptive", "fixed"])
+    cmd.add_argument("--draft-length", default="adaptive", choices=list(DRAFT_LENGTHS))
     cmd.add_argument("--max-new-tokens", type=int, default=128)
     cmd.add_argument("--repeats", type=int, default=3, help="timed runs per prompt and method; the median is reported")
     cmd.add_argument("--prompts", type=Path, help="folder of *.jsonl prompt files (default: benchmarks/prompts)")
@@ -90,9 +92,6 @@ def _bench(args) -> int:
     from draftwise.bench.runner import BenchConfig, build_methods, run_bench
     from draftwise.bench.suite import default_prompt_dir, load_suite
 
-    if args.threads is not None:
-        torch_threads(args.threads)
-
     quick = {"per_category": 1, "max_new_tokens": 32, "repeats": 1, "quantize": ()} if args.quick else {}
     quantize = tuple(name for name in args.quantize.split(",") if name and name != "none")
     config = BenchConfig(model=args.model, draft_model=args.draft_model, dtype=args.dtype,
@@ -108,7 +107,10 @@ def _bench(args) -> int:
     for note in skipped:
         print(f"skipped: {note}", file=sys.stderr)
     rows = run_bench(methods, prompts, config.max_new_tokens, config.repeats, progress=not args.quiet)
-    paths = write_report(args.out, asdict(config), rows, skipped)
+    import torch
+
+    # BenchConfig set the threads every method ran with (torch's default when not given).
+    paths = write_report(args.out, asdict(config) | {"threads": torch.get_num_threads()}, rows, skipped)
     print(paths[1].read_text())
     if not any(path.suffix == ".png" for path in paths):
         print("no plots: install matplotlib (pip install -e '.[bench]')", file=sys.stderr)

@@ -91,19 +91,13 @@ def markdown_table(summary: list[dict], title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def torch_threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
-
-
 def write_report(out_dir: Path, config: dict, rows: list[dict], skipped: list[str]) -> list[Path]:
     """Write bench.json, bench.md and the plots; return the paths written."""
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = summarize(rows)
     title = (f"{config['model']} (draft {config['draft_model'] or '-'}), {config['dtype']}, "
              f"max_new_tokens {config['max_new_tokens']}, median of {config['repeats']}, "
-             f"{config.get('threads') or torch_threads()} threads")
+             f"{config['threads']} threads")
     table = markdown_table(summary, title)
     if skipped:
         table += "\nSkipped:\n" + "".join(f"- {note}\n" for note in skipped)

@@ -14,8 +14,8 @@ from tqdm.auto import tqdm
 from draftwise.bench.methods import DraftwiseMethod, LlamaCppMethod, Method, TransformersMethod
 from draftwise.bench.suite import BenchPrompt
 from draftwise.config import SpecConfig
-from draftwise.drafters import DRAFTERS, build_drafter
 from draftwise import engine_for
+from draftwise.drafters import DRAFTERS, build_drafter
 from draftwise.engine import Engine
 from draftwise.errors import ConfigError
 from draftwise.models import loading, registry
@@ -25,8 +25,8 @@ from draftwise.models.loading import LoadedModel
 PLAIN = "draftwise plain"  # float weights, plain greedy: the reference of every float-weight method
 TRANSFORMERS_PROMPT_LOOKUP = "transformers prompt lookup"
 LLAMA_CPP_PLAIN = "llama.cpp plain"
-LLAMA_CPP_INSTALL = ("pip install llama-cpp-python (optional; it compiles llama.cpp, about 15 minutes on "
-                     "2 cores)")
+LLAMA_CPP_INSTALL = ("pip install llama-cpp-python, or the extra '.[llamacpp]' (optional; it compiles llama.cpp, about 5 minutes on "
+                     "2 cores; see the README for the build flags this machine needs)")
 
 
 @dataclass(frozen=True, slots=True)
