@@ -25,6 +25,8 @@ def load(
     quantize: str | None = None,
     progress: bool = True,
     draft_length: str = "adaptive",
+    cross_vocab_method: str = "auto",
+    draft_quantize: str = "auto",
 ) -> Engine:
     """Load a target model (registry name, local path or hub id) and a drafter into an Engine.
 
@@ -33,12 +35,17 @@ def load(
     10 for ngram, 5 for model); draft_length="adaptive" verifies the share of each draft that
     the measured costs say pays off, "fixed" verifies all of it. quantize ("int8" or "int4", with dtype="bfloat16")
     stores the target's linear weights in fewer bits: faster on CPU, slightly different logits.
+
+    drafter="cross-vocab" drafts with a model whose tokenizer differs from the target's
+    (draftwise.drafters.cross_vocab); cross_vocab_method picks "string" or "intersection"
+    ("auto": from the vocabularies' overlap). draft_quantize stores the draft model's weights
+    in int8/int4 ("auto": int8 where the native decoder runs it); it never changes the output.
     """
     from draftwise.drafters import build_drafter
     from draftwise.models import loading
 
     spec = SpecConfig(drafter=drafter, num_draft_tokens=num_draft_tokens, draft_model=draft_model,
-                      draft_length=draft_length)
+                      draft_length=draft_length, cross_vocab_method=cross_vocab_method, draft_quantize=draft_quantize)
     target = loading.load(model, dtype=dtype, auto_fetch=model == DEFAULT_MODEL, progress=progress, quantize=quantize)
     return engine_for(spec, target, build_drafter(spec, target, dtype=dtype, progress=progress))
 

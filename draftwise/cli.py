@@ -15,7 +15,7 @@ from draftwise.errors import DraftwiseError
 
 
 def _add_generate(subparsers) -> None:
-    from draftwise.config import DRAFT_LENGTHS
+    from draftwise.config import CROSS_VOCAB_METHODS, DRAFT_LENGTHS, DRAFT_QUANTIZATIONS
     from draftwise.drafters import DRAFTERS
     from draftwise.models.linear import QUANTIZATIONS
     from draftwise.models.loading import DTYPES
@@ -26,9 +26,15 @@ def _add_generate(subparsers) -> None:
     cmd.add_argument("prompt", help="the prompt text, or - to read it from standard input")
     cmd.add_argument("--model", default=DEFAULT_MODEL, help=f"packaged name, local folder/.gguf or hub id (default: {DEFAULT_MODEL})")
     cmd.add_argument("--drafter", default="ngram", choices=list(DRAFTERS), help="how draft tokens are proposed (default: ngram)")
-    cmd.add_argument("--draft-model", help="the draft model for --drafter model: name or path")
+    cmd.add_argument("--draft-model", help="the draft model for --drafter model or cross-vocab: name or path")
+    cmd.add_argument("--cross-vocab-method", default="auto", choices=list(CROSS_VOCAB_METHODS),
+                     help="for --drafter cross-vocab: string (re-tokenise the draft's text) or intersection "
+                          "(draft only tokens both vocabularies share); auto picks from their overlap (default)")
+    cmd.add_argument("--draft-quantize", default="auto", choices=list(DRAFT_QUANTIZATIONS),
+                     help="the draft model's weights; never changes the output (default auto: int8 where the "
+                          "native decoder runs the draft)")
     cmd.add_argument("--num-draft-tokens", type=int, metavar="K",
-                     help="most draft tokens per step (default: 10 for ngram, 5 for model)")
+                     help="most draft tokens per step (default: 10 for ngram, 5 for model and cross-vocab)")
     cmd.add_argument("--draft-length", default="adaptive", choices=list(DRAFT_LENGTHS),
                      help="adaptive: verify the share of each draft that measured costs say pays off (default); "
                           "fixed: always verify K")
@@ -141,7 +147,8 @@ def _generate(args) -> int:
     dtype = args.dtype or ("bfloat16" if args.quantize else "float32")
     engine = draftwise.load(args.model, drafter=args.drafter, draft_model=args.draft_model,
                             num_draft_tokens=args.num_draft_tokens, dtype=dtype, quantize=args.quantize,
-                            progress=not args.quiet, draft_length=args.draft_length)
+                            progress=not args.quiet, draft_length=args.draft_length,
+                            cross_vocab_method=args.cross_vocab_method, draft_quantize=args.draft_quantize)
     request = [{"role": "user", "content": prompt}] if args.chat else prompt
     result = None
     for update in engine.stream(request, params):

@@ -16,6 +16,10 @@ m draft tokens that maximise expected committed tokens per second:
     (1 + sum_{i<=m} prod_{j<=i} accept_j) / forward_seconds(1 + m)
 
 Trimming a draft never changes the output (verification is lossless for any m), only speed.
+A draft MODEL pays a forward per draft token, so for it (a drafter with `sequential = True`)
+the engine asks before drafting (`choose_before_drafting`) and the cost of drafting m tokens,
+also measured, joins the denominator; when that says "draft nothing", a one-token draft is
+still tried every PROBE_INTERVAL steps, so the acceptance estimate can recover.
 It measures a plain step first; a size it has not measured is interpolated between measured
 neighbours, or taken as cheap as the largest measured one (so longer drafts get tried);
 acceptance starts at an optimistic prior and decays towards recent behaviour.
@@ -29,16 +33,33 @@ PRIOR_ACCEPTANCE = 0.7  # optimistic start, so every kind of draft gets tried
 PRIOR_WEIGHT = 2.0  # in observations
 DECAY = 0.95  # per observation: acceptance follows the text as it changes
 COST_SMOOTHING = 0.3  # weight of a new forward time in its running mean
+PROBE_INTERVAL = 16  # steps without drafting before a sequential drafter is tried again
 
 
 class DraftLengthPolicy:
     def __init__(self) -> None:
         self.forward_s: dict[int, float] = {}  # tokens scored -> running mean seconds
+        self.draft_s: dict[int, float] = {}  # tokens drafted -> running mean seconds (sequential drafters)
+        self.steps_without_draft = 0
         # key -> per draft position [accepted weight, reached weight]
         self.acceptance: dict[Hashable, list[list[float]]] = {}
 
     def choose(self, key: Hashable, num_available: int) -> int:
-        """How many of num_available draft tokens of this kind to verify (0 = none)."""
+        """How many of num_available drafted tokens of this kind to verify (0 = none)."""
+        return self._best(key, num_available, include_draft_cost=False)
+
+    def choose_before_drafting(self, num_available: int) -> int:
+        """How many tokens a sequential drafter should draft at all (0 = a plain step)."""
+        best = self._best(None, num_available, include_draft_cost=True)
+        if best == 0 and num_available and 1 in self.forward_s:
+            self.steps_without_draft += 1
+            if self.steps_without_draft >= PROBE_INTERVAL:
+                best = 1  # a cheap probe: acceptance may have changed with the text
+        if best:
+            self.steps_without_draft = 0
+        return best
+
+    def _best(self, key: Hashable, num_available: int, include_draft_cost: bool) -> int:
         if num_available == 0 or 1 not in self.forward_s:
             return 0  # measure a plain step first: every rate is compared with it
         best, best_rate = 0, 1.0 / self.forward_s[1]
@@ -46,28 +67,21 @@ class DraftLengthPolicy:
         for m in range(1, num_available + 1):
             survive *= self._acceptance(key, m - 1)
             expected += survive
-            rate = expected / self._forward_cost(m + 1)
+            seconds = _cost(self.forward_s, m + 1) + (_cost(self.draft_s, m) if include_draft_cost and self.draft_s else 0.0)
+            rate = expected / seconds
             if rate > best_rate:
                 best, best_rate = m, rate
         return best
 
     def _forward_cost(self, num_tokens: int) -> float:
-        """Measured, else interpolated between measured neighbours, else (beyond the largest
-        measured size) as cheap as the largest: optimistic, so it gets tried."""
-        if num_tokens in self.forward_s:
-            return self.forward_s[num_tokens]
-        below = max(n for n in self.forward_s if n < num_tokens)  # 1 is always measured here
-        above = [n for n in self.forward_s if n > num_tokens]
-        if not above:
-            return self.forward_s[below]
-        upper = min(above)
-        share = (num_tokens - below) / (upper - below)
-        return (1 - share) * self.forward_s[below] + share * self.forward_s[upper]
+        return _cost(self.forward_s, num_tokens)
 
     def observe_forward(self, num_tokens: int, seconds: float) -> None:
-        previous = self.forward_s.get(num_tokens)
-        self.forward_s[num_tokens] = seconds if previous is None else (
-            (1 - COST_SMOOTHING) * previous + COST_SMOOTHING * seconds)
+        _smooth_into(self.forward_s, num_tokens, seconds)
+
+    def observe_draft(self, num_tokens: int, seconds: float) -> None:
+        """A sequential drafter took `seconds` to draft num_tokens tokens."""
+        _smooth_into(self.draft_s, num_tokens, seconds)
 
     def observe_verdict(self, key: Hashable, num_proposed: int, num_accepted: int) -> None:
         """Positions 0 .. num_accepted (the first rejected one included) were reached."""
@@ -83,3 +97,27 @@ class DraftLengthPolicy:
         positions = self.acceptance.get(key, [])
         accepted, reached = positions[position] if position < len(positions) else (0.0, 0.0)
         return (accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (reached + PRIOR_WEIGHT)
+
+
+def _smooth_into(costs: dict[int, float], size: int, seconds: float) -> None:
+    previous = costs.get(size)
+    costs[size] = seconds if previous is None else (1 - COST_SMOOTHING) * previous + COST_SMOOTHING * seconds
+
+
+def _cost(costs: dict[int, float], size: int) -> float:
+    """Measured, else interpolated between measured neighbours, else (beyond the largest
+    measured size) as cheap as the largest: optimistic, so it gets tried. Below the smallest
+    measured size: scaled down from it."""
+    if size in costs:
+        return costs[size]
+    below = [n for n in costs if n < size]
+    above = [n for n in costs if n > size]
+    if not below:
+        smallest = min(above)
+        return costs[smallest] * size / smallest
+    lower = max(below)
+    if not above:
+        return costs[lower]
+    upper = min(above)
+    share = (size - lower) / (upper - lower)
+    return (1 - share) * costs[lower] + share * costs[upper]

@@ -47,6 +47,8 @@ class StreamUpdate:
 class NoDrafter:
     """Plain decoding: every step proposes nothing, so each target forward commits one token."""
 
+    sequential = False
+
     def begin(self, params: SamplingParams, generator: torch.Generator, max_length: int) -> None:
         pass
 
@@ -150,11 +152,17 @@ class Engine:
         num_committed = context.shape[0]
         # Never draft past the request's budget: the step adds accepted + 1 tokens.
         budget = min(self.num_draft_tokens, max_length - num_committed - 1)
+        # getattr: a user drafter written without the attribute is treated as free to draft.
+        sequential = self.draft_length is not None and getattr(self.drafter, "sequential", False)
+        if sequential and budget > 0:
+            budget = self.draft_length.choose_before_drafting(budget)  # a draft model pays per token
         tic = time.perf_counter()
         draft = self.drafter.propose(context, budget) if budget > 0 else empty_draft()
-        if self.draft_length is not None and draft.tokens.shape[0]:
+        if self.draft_length is not None and draft.tokens.shape[0] and not sequential:
             draft = draft.trimmed(self.draft_length.choose(draft.key, draft.tokens.shape[0]))
         toc = time.perf_counter()
+        if sequential and budget > 0:
+            self.draft_length.observe_draft(budget, toc - tic)
         num_proposed = draft.tokens.shape[0]
         # The cache holds every committed token but the last; score it and the draft at once.
         inputs = torch.cat((context[-1:], draft.tokens))  # [1 + k]

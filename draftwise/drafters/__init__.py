@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from draftwise.config import SpecConfig
 from draftwise.drafters.base import Draft, Drafter
+from draftwise.drafters.cross_vocab import CrossVocabDrafter
 from draftwise.drafters.draft_model import ModelDrafter, check_same_vocabulary
 from draftwise.drafters.ngram import NgramDrafter
 from draftwise.errors import ConfigError
@@ -16,12 +17,29 @@ def _build_ngram(spec: SpecConfig, target: LoadedModel, dtype: str, progress: bo
     return NgramDrafter(spec.ngram_min, spec.ngram_max)
 
 
-def _build_model(spec: SpecConfig, target: LoadedModel, dtype: str, progress: bool) -> Drafter:
+def _load_draft(spec: SpecConfig, dtype: str, progress: bool) -> LoadedModel:
+    """The draft model, quantized as spec.draft_quantize says (quantized weights compute in
+    bfloat16, whatever the target's dtype: the draft's numerics never reach the output)."""
     from draftwise.models import loading
 
-    draft = loading.load(spec.draft_model, dtype=dtype, progress=progress)
+    quantize = spec.draft_quantize
+    if quantize == "auto":
+        quantize = "int8" if loading.runs_natively(spec.draft_model, progress=progress) else "none"
+    if quantize == "none":
+        return loading.load(spec.draft_model, dtype=dtype, progress=progress)
+    return loading.load(spec.draft_model, dtype="bfloat16", progress=progress, quantize=quantize)
+
+
+def _build_model(spec: SpecConfig, target: LoadedModel, dtype: str, progress: bool) -> Drafter:
+    draft = _load_draft(spec, dtype, progress)
     check_same_vocabulary(target.tokenizer, draft.tokenizer, target.model.info.vocab_size, draft.model.info.vocab_size)
     return ModelDrafter(draft.model)
+
+
+def _build_cross_vocab(spec: SpecConfig, target: LoadedModel, dtype: str, progress: bool) -> Drafter:
+    draft = _load_draft(spec, dtype, progress)
+    return CrossVocabDrafter(draft.model, draft.tokenizer, target.tokenizer, target.model.info.vocab_size,
+                             spec.cross_vocab_method)
 
 
 # name -> factory(spec, target, dtype, progress); None means plain decoding.
@@ -29,6 +47,7 @@ DRAFTERS: dict[str, Callable[[SpecConfig, LoadedModel, str, bool], Drafter] | No
     "none": None,
     "ngram": _build_ngram,
     "model": _build_model,
+    "cross-vocab": _build_cross_vocab,
 }
 
 
@@ -40,4 +59,4 @@ def build_drafter(spec: SpecConfig, target: LoadedModel, dtype: str = "float32",
     return None if factory is None else factory(spec, target, dtype, progress)
 
 
-__all__ = ["DRAFTERS", "Draft", "Drafter", "ModelDrafter", "NgramDrafter", "build_drafter"]
+__all__ = ["DRAFTERS", "CrossVocabDrafter", "Draft", "Drafter", "ModelDrafter", "NgramDrafter", "build_drafter"]

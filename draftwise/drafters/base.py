@@ -29,6 +29,10 @@ class Drafter(Protocol):
     """Proposes draft tokens for one request at a time. The engine owns the loop: it calls
     begin() once, then propose() and rollback() once per step."""
 
+    # True when drafting costs about a model forward per token (a draft model): the engine
+    # then decides the draft length BEFORE drafting; False (n-gram) drafts for free and trims.
+    sequential: bool
+
     def begin(self, params: SamplingParams, generator: torch.Generator, max_length: int) -> None:
         """Prepare for a new request whose context will never exceed max_length tokens."""
         ...

@@ -13,6 +13,8 @@ from draftwise.sampling import logits_to_probs, sample
 
 
 class ModelDrafter:
+    sequential = True  # see Drafter.sequential
+
     def __init__(self, model: CausalLM) -> None:
         self.model = model
         self.cache: KVCache | None = None
@@ -56,7 +58,8 @@ def check_same_vocabulary(target_tokenizer, draft_tokenizer, target_vocab_size: 
     if target_vocab_size != draft_vocab_size or target_tokenizer.get_vocab() != draft_tokenizer.get_vocab():
         raise IncompatibleDrafterError(
             f"the draft model's vocabulary ({draft_vocab_size} ids) differs from the target's "
-            f"({target_vocab_size} ids), so its token ids cannot be verified by the target. Use a "
-            "draft from the same model family (e.g. qwen2.5-coder-0.5b for qwen2.5-coder-1.5b), "
-            "or --drafter ngram, which needs no draft model."
+            f"({target_vocab_size} ids), so its token ids cannot be verified by the target. Use "
+            "--drafter cross-vocab, which translates between the two tokenizers; or a draft from "
+            "the same model family (e.g. qwen2.5-coder-0.5b for qwen2.5-coder-1.5b); or --drafter "
+            "ngram, which needs no draft model."
         )

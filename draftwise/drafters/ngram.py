@@ -11,6 +11,8 @@ from draftwise.drafters.base import Draft, empty_draft
 
 
 class NgramDrafter:
+    sequential = False  # see Drafter.sequential
+
     def __init__(self, min_n: int = 1, max_n: int = 4) -> None:
         self.min_n = min_n
         self.max_n = max_n

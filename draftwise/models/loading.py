@@ -17,15 +17,16 @@ from tqdm.auto import tqdm
 from draftwise.errors import ConfigError, ModelLoadError, ModelNotFoundError
 from draftwise.models import registry
 from draftwise.models.base import ModelInfo
+from draftwise.models.hf import HFModel, load_hf_model
 from draftwise.models.linear import check_quantize, prepare_linears
-from draftwise.models.llama import DecoderShape, LlamaModel
+from draftwise.models.llama import SUPPORTED_ARCHITECTURES, DecoderShape, LlamaModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass(slots=True)
 class LoadedModel:
-    model: LlamaModel
+    model: LlamaModel | HFModel
     tokenizer: object  # a transformers tokenizer
     folder: Path  # the HF folder the weights came from
 
@@ -73,7 +74,8 @@ def resolve(spec: str, auto_fetch: bool = False, progress: bool = True) -> Path:
 def load(spec: str, dtype: str = "float32", auto_fetch: bool = False, progress: bool = True,
          quantize: str | None = None) -> LoadedModel:
     """Load spec as a native model computing in dtype, with its tokenizer; quantize ("int8" or
-    "int4", bfloat16 only) stores its linear layers' weights in fewer bits."""
+    "int4", bfloat16 only) stores its linear layers' weights in fewer bits. Architectures the
+    native decoder lacks (e.g. Gemma 3) load through transformers instead (models/hf.py)."""
     from transformers import AutoConfig, AutoTokenizer
     from safetensors.torch import load_file
 
@@ -82,6 +84,8 @@ def load(spec: str, dtype: str = "float32", auto_fetch: bool = False, progress: 
     folder = resolve(spec, auto_fetch=auto_fetch, progress=progress)
     with tqdm(total=3, desc=f"loading {spec}", unit="step", disable=not progress, leave=False) as bar:
         config = AutoConfig.from_pretrained(folder)
+        if config.model_type not in SUPPORTED_ARCHITECTURES:
+            return _load_through_transformers(spec, folder, config, torch_dtype, quantize)
         shape = DecoderShape.from_hf_config(config)
         bar.update()
         state_dict: dict[str, torch.Tensor] = {}
@@ -99,6 +103,31 @@ def load(spec: str, dtype: str = "float32", auto_fetch: bool = False, progress: 
     model = LlamaModel.from_state_dict(shape, info, state_dict, torch_dtype)
     del state_dict  # the kernels below copy weights into their own layouts: free the originals as they go
     return LoadedModel(prepare_linears(model, torch_dtype, quantize), tokenizer, folder)
+
+
+def runs_natively(spec: str, progress: bool = True) -> bool:
+    """Whether spec's architecture runs on the native decoder (else: through transformers)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(resolve(spec, progress=progress)).model_type in SUPPORTED_ARCHITECTURES
+
+
+def _load_through_transformers(spec: str, folder: Path, config, dtype: torch.dtype, quantize: str | None) -> LoadedModel:
+    from transformers import AutoTokenizer
+
+    if quantize is not None:
+        raise ConfigError(
+            f"--quantize {quantize} needs the native decoder, which does not implement "
+            f"{config.model_type!r} ({spec} loads through transformers): drop --quantize."
+        )
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    info = ModelInfo(
+        name=spec,
+        vocab_size=config.vocab_size,
+        max_context=config.max_position_embeddings,
+        eos_token_ids=_eos_token_ids(config, tokenizer),
+    )
+    return LoadedModel(load_hf_model(folder, info, dtype), tokenizer, folder)
 
 
 def convert_gguf(gguf_file: Path, out_folder: Path) -> Path:

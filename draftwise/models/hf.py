@@ -1,0 +1,96 @@
+"""Any transformers causal LM behind the CausalLM interface: the fallback for architectures the
+native decoder (models/llama.py) does not implement, e.g. Gemma 3.
+
+It is slower than the native decoder (transformers' own forward, a growing DynamicCache), so
+it suits draft models and experiments more than big targets. Rolling back crops the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftwise.errors import DraftwiseError, ModelLoadError
+from draftwise.models.base import ModelInfo
+
+
+class HFCache:
+    """A transformers DynamicCache with the length bookkeeping of draftwise.kv_cache.KVCache."""
+
+    def __init__(self, max_length: int) -> None:
+        from transformers import DynamicCache
+
+        # No config: every layer keeps all its keys and values, sliding-window layers included
+        # (their window is applied by the attention mask), so any length can be cropped back.
+        self.inner = DynamicCache()
+        self.max_length = max_length
+        self.length = 0
+
+    def reserve(self, num_tokens: int) -> int:
+        start = self.length
+        if start + num_tokens > self.max_length:
+            raise DraftwiseError(
+                f"KV cache overflow: {start} + {num_tokens} tokens > capacity {self.max_length}; "
+                "lower max_new_tokens or the prompt length."
+            )
+        self.length = start + num_tokens
+        return start
+
+    def rollback(self, num_tokens: int) -> None:
+        if not 0 <= num_tokens <= self.length:
+            raise DraftwiseError(f"cannot roll back {num_tokens} tokens from a cache of {self.length}")
+        if num_tokens:
+            self.inner.crop(-num_tokens)  # transformers 5: a negative count of tokens to remove
+        self.length -= num_tokens
+
+    def truncate(self, length: int) -> None:
+        self.rollback(max(0, self.length - length))
+
+
+class HFModel:
+    """A transformers AutoModelForCausalLM, scoring tokens as draftwise's models do."""
+
+    def __init__(self, model, info: ModelInfo) -> None:
+        self.model = model.eval()
+        self.info = info
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    def new_cache(self, max_length: int) -> HFCache:
+        return HFCache(max_length)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        cache: HFCache,
+        attn_mask: torch.Tensor | None = None,
+        num_logits: int | None = None,
+    ) -> torch.Tensor:  # [num_logits or T, vocab] float32
+        if attn_mask is not None:
+            raise ModelLoadError(
+                f"{self.info.name} runs through the transformers fallback, which cannot verify draft "
+                "trees: use a chain drafter (ngram, model, cross-vocab)."
+            )
+        start = cache.reserve(tokens.shape[0])
+        output = self.model(
+            input_ids=tokens[None],
+            position_ids=positions[None],
+            cache_position=torch.arange(start, start + tokens.shape[0]),
+            past_key_values=cache.inner,
+            use_cache=True,
+            logits_to_keep=num_logits or 0,  # 0: all
+        )
+        return output.logits[0].float()
+
+
+def load_hf_model(folder, info: ModelInfo, dtype: torch.dtype) -> HFModel:
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    except Exception as error:  # transformers raises many types for checkpoints it cannot read
+        raise ModelLoadError(f"transformers could not load {info.name} from {folder}: {error}") from error
+    return HFModel(model, info)
