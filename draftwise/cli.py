@@ -59,6 +59,7 @@ def _add_generate(subparsers) -> None:
 
 def _add_bench(subparsers) -> None:
     from draftwise.config import DRAFT_LENGTHS
+    from draftwise.drafters import DRAFTERS
     from draftwise.models.loading import DTYPES
     from draftwise.models.registry import DEFAULT_MODEL
 
@@ -68,6 +69,13 @@ def _add_bench(subparsers) -> None:
                     "compares outputs with plain greedy decoding, and writes bench.json, bench.md and PNG plots.")
     cmd.add_argument("--model", default=DEFAULT_MODEL, help=f"target model (default: {DEFAULT_MODEL})")
     cmd.add_argument("--draft-model", help="same-vocabulary draft model for the model drafter and assisted generation")
+    cmd.add_argument("--cross-vocab-draft", metavar="NAME",
+                     help="a draft model with another tokenizer: cross-vocab rows and transformers' universal "
+                          "assisted generation")
+    cmd.add_argument("--cross-vocab-method", default="auto",
+                     help="comma-separated cross-vocab methods, a row each: auto, string, intersection (default: auto)")
+    cmd.add_argument("--drafters", help=f"comma-separated draftwise drafters to run, plain always runs "
+                                        f"(default: all: {', '.join(DRAFTERS)})")
     cmd.add_argument("--dtype", default="float32", choices=list(DTYPES))
     cmd.add_argument("--quantize", default="int8,int4",
                      help="comma-separated weight formats to add rows for (draftwise plain and ngram in bfloat16); "
@@ -105,7 +113,9 @@ def _bench(args) -> int:
                          max_new_tokens=quick.get("max_new_tokens", args.max_new_tokens),
                          repeats=quick.get("repeats", args.repeats), with_transformers=not args.no_transformers,
                          with_llama_cpp=not args.no_llama_cpp, quantize=quick.get("quantize", quantize),
-                         threads=args.threads)
+                         threads=args.threads, cross_vocab_draft=args.cross_vocab_draft,
+                         cross_vocab_methods=tuple(args.cross_vocab_method.split(",")),
+                         drafters=tuple(args.drafters.split(",")) if args.drafters else None)
     categories = args.categories.split(",") if args.categories else None
     prompts = load_suite(args.prompts or default_prompt_dir(), categories, quick.get("per_category", args.per_category))
     methods, skipped = build_methods(config, progress=not args.quiet)

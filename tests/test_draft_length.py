@@ -63,3 +63,26 @@ def test_unmeasured_sizes_are_interpolated_between_measured_ones():
     assert policy._forward_cost(2) == pytest.approx(1.5)
     assert policy._forward_cost(7) == pytest.approx(3.0)
     assert policy._forward_cost(16) == pytest.approx(4.0)  # beyond: optimistic, so it is tried
+
+
+def test_a_draft_model_drafts_before_choosing_and_its_cost_counts():
+    # Same acceptance (2-4 tokens in a row), same flat bf16 verify costs: a cheap draft model
+    # drafts about as far as tokens get accepted, one costing a target forward per token
+    # drafts nothing.
+    cheap = policy_with(BFLOAT16_AMX, None, [3, 4, 2, 3] * 5)
+    cheap.observe_draft(5, 0.05)
+    assert cheap.choose_before_drafting(5) == 4
+    dear = policy_with(BFLOAT16_AMX, None, [3, 4, 2, 3] * 5)
+    dear.observe_draft(5, 5 * 0.18)
+    assert dear.choose_before_drafting(5) == 0
+
+
+def test_a_draft_model_that_stopped_drafting_is_probed_again():
+    from draftwise.draft_length import PROBE_INTERVAL
+
+    policy = policy_with(FLOAT32, None, [0] * 20)  # nothing accepted lately
+    policy.observe_draft(5, 0.2)
+    chosen = [policy.choose_before_drafting(5) for _ in range(2 * PROBE_INTERVAL)]
+    # Plain steps, with a one-token probe every PROBE_INTERVAL steps so acceptance can recover.
+    assert chosen.count(1) == 2 and set(chosen) == {0, 1}
+    assert chosen.index(1) == PROBE_INTERVAL - 1

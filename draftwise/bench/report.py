@@ -7,7 +7,8 @@ from collections import defaultdict
 from pathlib import Path
 
 # Speed-ups are reported against each of these that ran.
-BASELINES = ("draftwise plain", "transformers plain", "transformers prompt lookup", "llama.cpp plain")
+BASELINES = ("draftwise plain", "transformers plain", "transformers prompt lookup", "transformers universal assisted",
+             "llama.cpp plain")
 
 
 def speedup_key(baseline: str) -> str:

@@ -24,6 +24,7 @@ from draftwise.models.loading import LoadedModel
 
 PLAIN = "draftwise plain"  # float weights, plain greedy: the reference of every float-weight method
 TRANSFORMERS_PROMPT_LOOKUP = "transformers prompt lookup"
+TRANSFORMERS_UNIVERSAL_ASSISTED = "transformers universal assisted"
 LLAMA_CPP_PLAIN = "llama.cpp plain"
 LLAMA_CPP_INSTALL = ("pip install llama-cpp-python, or the extra '.[llamacpp]' (optional; it compiles llama.cpp, about 5 minutes on "
                      "2 cores; see the README for the build flags this machine needs)")
@@ -43,6 +44,9 @@ class BenchConfig:
     with_llama_cpp: bool = True  # when llama-cpp-python is installed and the model has a GGUF file
     quantize: tuple[str, ...] = ()  # extra rows: draftwise plain and ngram with these weight formats
     threads: int | None = None  # None: torch's current setting
+    cross_vocab_draft: str | None = None  # a draft model with another tokenizer (cross-vocab rows, transformers UAG)
+    cross_vocab_methods: tuple[str, ...] = ("auto",)  # a cross-vocab row per method
+    drafters: tuple[str, ...] | None = None  # draftwise drafters to run (None: every registered one); plain always runs
 
     def __post_init__(self) -> None:
         if self.repeats < 1 or self.max_new_tokens < 1:
@@ -51,6 +55,11 @@ class BenchConfig:
             check_quantize(name, torch.bfloat16)
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"threads={self.threads}: give at least 1.")
+        unknown = [name for name in self.drafters or () if name not in DRAFTERS]
+        if unknown:
+            raise ConfigError(f"unknown drafters {', '.join(unknown)}: choose from {', '.join(DRAFTERS)}.")
+        for method in self.cross_vocab_methods:
+            SpecConfig(drafter="cross-vocab", draft_model="any", cross_vocab_method=method)  # validates the name
 
 
 def build_methods(config: BenchConfig, progress: bool = True) -> tuple[list[Method], list[str]]:
@@ -60,7 +69,7 @@ def build_methods(config: BenchConfig, progress: bool = True) -> tuple[list[Meth
         torch.set_num_threads(config.threads)
     target = loading.load(config.model, dtype=config.dtype, auto_fetch=True, progress=progress)
     skipped: list[str] = []
-    methods = _draftwise_methods(target, config, "", list(DRAFTERS), skipped, progress)
+    methods = _draftwise_methods(target, config, "", list(config.drafters or DRAFTERS), skipped, progress)
     for quantize in config.quantize:
         quantized = loading.load(config.model, dtype="bfloat16", quantize=quantize, progress=progress)
         methods += _draftwise_methods(quantized, config, f"{quantize} ", ["none", "ngram"], skipped, progress)
@@ -79,16 +88,21 @@ def _draftwise_methods(target: LoadedModel, config: BenchConfig, label: str, dra
     for name in drafters:
         if DRAFTERS[name] is None:
             continue  # plain decoding is already first
-        try:  # a drafter that needs an option the user did not give is skipped, with the reason
-            spec = SpecConfig(drafter=name, num_draft_tokens=config.num_draft_tokens, draft_model=config.draft_model,
-                              draft_length=config.draft_length)
-        except ConfigError as error:
-            skipped.append(f"draftwise {label}{name}: {error}")
-            continue
-        drafter = build_drafter(spec, target, dtype=config.dtype, progress=progress)
-        k = spec.max_draft_tokens
-        title = f"draftwise {label}{name} " + (f"k<={k} adaptive" if spec.draft_length == "adaptive" else f"k={k}")
-        methods.append(DraftwiseMethod(title, engine_for(spec, target, drafter), reference=plain))
+        cross_vocab = name == "cross-vocab"
+        for method in config.cross_vocab_methods if cross_vocab else ("auto",):
+            try:  # a drafter that needs an option the user did not give is skipped, with the reason
+                spec = SpecConfig(drafter=name, num_draft_tokens=config.num_draft_tokens,
+                                  draft_model=config.cross_vocab_draft if cross_vocab else config.draft_model,
+                                  draft_length=config.draft_length, cross_vocab_method=method)
+            except ConfigError as error:
+                reason = "needs --cross-vocab-draft NAME" if cross_vocab else str(error)
+                skipped.append(f"draftwise {label}{name}: {reason}")
+                break
+            drafter = build_drafter(spec, target, dtype=config.dtype, progress=progress)
+            k = spec.max_draft_tokens
+            kind = f"{name} {drafter.method}" if cross_vocab else name
+            title = f"draftwise {label}{kind} " + (f"k<={k} adaptive" if spec.draft_length == "adaptive" else f"k={k}")
+            methods.append(DraftwiseMethod(title, engine_for(spec, target, drafter), reference=plain))
     return methods
 
 
@@ -110,6 +124,17 @@ def _transformers_methods(target: LoadedModel, encode, config: BenchConfig, skip
         methods.append(TransformersMethod("transformers assisted", hf_target, encode, eos, assistant_model=hf_draft))
     else:
         skipped.append("transformers assisted: needs --draft-model")
+    if config.cross_vocab_draft:
+        # Universal assisted generation: transformers' own cross-tokenizer drafting.
+        from transformers import AutoTokenizer
+
+        draft_folder = loading.resolve(config.cross_vocab_draft, auto_fetch=True, progress=progress)
+        hf_draft = _in_own_memory(AutoModelForCausalLM.from_pretrained(draft_folder, dtype=torch_dtype).eval())
+        methods.append(TransformersMethod(TRANSFORMERS_UNIVERSAL_ASSISTED, hf_target, encode, eos, assistant_model=hf_draft,
+                                          tokenizer=target.tokenizer,
+                                          assistant_tokenizer=AutoTokenizer.from_pretrained(draft_folder)))
+    else:
+        skipped.append(f"{TRANSFORMERS_UNIVERSAL_ASSISTED}: needs --cross-vocab-draft")
     return methods
 
 
