@@ -12,19 +12,11 @@ import torch
 from draftwise.errors import DraftwiseError
 
 
-class KVCache:
-    def __init__(
-        self,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        max_length: int,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-    ) -> None:
-        shape = (num_layers, 1, num_kv_heads, max_length, head_dim)  # batch of one sequence
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+class CacheLength:
+    """The bookkeeping every cache shares: slots [0, length) hold committed tokens, a forward
+    claims the next ones, rollback forgets the last ones."""
+
+    def __init__(self, max_length: int) -> None:
         self.max_length = max_length
         self.length = 0
 
@@ -39,6 +31,37 @@ class KVCache:
         self.length = start + num_tokens
         return start
 
+    def rollback(self, num_tokens: int) -> None:
+        """Forget the last num_tokens tokens. Rolling back more than is cached is a bug: raise."""
+        if not 0 <= num_tokens <= self.length:
+            raise DraftwiseError(f"cannot roll back {num_tokens} tokens from a cache of {self.length}")
+        if num_tokens:
+            self._forget(num_tokens)
+        self.length -= num_tokens
+
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` tokens (a no-op when the cache is already that short)."""
+        self.rollback(max(0, self.length - length))
+
+    def _forget(self, num_tokens: int) -> None:
+        """Drop storage of the last num_tokens tokens; preallocated buffers need nothing."""
+
+
+class KVCache(CacheLength):
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_length: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__(max_length)
+        shape = (num_layers, 1, num_kv_heads, max_length, head_dim)  # batch of one sequence
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+
     def write(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store keys/values [1, kv_heads, T, head_dim] at slots start.. and return views of all
         slots up to the new end, [1, kv_heads, start + T, head_dim]."""
@@ -46,13 +69,3 @@ class KVCache:
         self.keys[layer, :, :, start:end] = keys
         self.values[layer, :, :, start:end] = values
         return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
-
-    def rollback(self, num_tokens: int) -> None:
-        """Forget the last num_tokens tokens. Rolling back more than is cached is a bug: raise."""
-        if not 0 <= num_tokens <= self.length:
-            raise DraftwiseError(f"cannot roll back {num_tokens} tokens from a cache of {self.length}")
-        self.length -= num_tokens
-
-    def truncate(self, length: int) -> None:
-        """Keep the first `length` tokens (a no-op when the cache is already that short)."""
-        self.rollback(max(0, self.length - length))

@@ -93,7 +93,24 @@ def test_local_hf_folder_loads_and_generates(other_vocab_model):
 def test_draft_model_with_another_vocabulary_is_refused(smollm2, other_vocab_model, capsys):
     code, _, err = run(capsys, "generate", "hi", "--drafter", "model", "--draft-model", str(other_vocab_model), "--quiet")
     assert code == 2
-    assert "vocabulary" in err and "--drafter ngram" in err
+    assert "vocabulary" in err and "--drafter cross-vocab" in err and "--drafter ngram" in err
+
+
+def test_cross_vocab_draft_whose_token_spelling_cannot_be_read_is_refused(smollm2, other_vocab_model, capsys):
+    # A word-level tokenizer has no byte spelling: refused with the reason, not guessed.
+    code, _, err = run(capsys, "generate", "hi", "--drafter", "cross-vocab", "--draft-model", str(other_vocab_model),
+                       "--quiet")
+    assert code == 2
+    assert "cannot read the spelling" in err and "Traceback" not in err
+
+
+def test_generate_with_a_cross_vocab_draft(qwen_0_5b, capsys):
+    code, out, _ = run(capsys, "generate", "Rename x to total:\ndef f(x):\n    return x * 2", "--chat",
+                       "--model", "qwen2.5-coder-0.5b", "--drafter", "cross-vocab", "--draft-model", "smollm2-135m",
+                       "--draft-length", "fixed", "--max-new-tokens", "16", "--json", "--quiet")
+    assert code == 0
+    metrics = json.loads(out)["metrics"]
+    assert metrics["num_draft_tokens"] > 0 and metrics["num_accepted_tokens"] > 0
 
 
 def test_bench_quick_runs_and_writes_its_reports(smollm2, capsys, tmp_path):

@@ -9,41 +9,24 @@ from __future__ import annotations
 
 import torch
 
-from draftwise.errors import DraftwiseError, ModelLoadError
+from draftwise.errors import ModelLoadError
+from draftwise.kv_cache import CacheLength
 from draftwise.models.base import ModelInfo
 
 
-class HFCache:
-    """A transformers DynamicCache with the length bookkeeping of draftwise.kv_cache.KVCache."""
+class HFCache(CacheLength):
+    """A transformers DynamicCache behind draftwise's cache bookkeeping; rollback crops it."""
 
     def __init__(self, max_length: int) -> None:
         from transformers import DynamicCache
 
+        super().__init__(max_length)
         # No config: every layer keeps all its keys and values, sliding-window layers included
         # (their window is applied by the attention mask), so any length can be cropped back.
         self.inner = DynamicCache()
-        self.max_length = max_length
-        self.length = 0
 
-    def reserve(self, num_tokens: int) -> int:
-        start = self.length
-        if start + num_tokens > self.max_length:
-            raise DraftwiseError(
-                f"KV cache overflow: {start} + {num_tokens} tokens > capacity {self.max_length}; "
-                "lower max_new_tokens or the prompt length."
-            )
-        self.length = start + num_tokens
-        return start
-
-    def rollback(self, num_tokens: int) -> None:
-        if not 0 <= num_tokens <= self.length:
-            raise DraftwiseError(f"cannot roll back {num_tokens} tokens from a cache of {self.length}")
-        if num_tokens:
-            self.inner.crop(-num_tokens)  # transformers 5: a negative count of tokens to remove
-        self.length -= num_tokens
-
-    def truncate(self, length: int) -> None:
-        self.rollback(max(0, self.length - length))
+    def _forget(self, num_tokens: int) -> None:
+        self.inner.crop(-num_tokens)  # transformers 5: a negative count of tokens to remove
 
 
 class HFModel:
