@@ -34,6 +34,10 @@ PRIOR_WEIGHT = 2.0  # in observations
 DECAY = 0.95  # per observation: acceptance follows the text as it changes
 COST_SMOOTHING = 0.3  # weight of a new forward time in its running mean
 PROBE_INTERVAL = 16  # steps without drafting before a sequential drafter is tried again
+# Share of acceptance evidence a new request inherits: how well drafts do depends on the text
+# (a draft model that failed on a chat can shine on a code edit), so each request re-learns
+# quickly, while forward costs (the hardware's) carry over whole.
+REQUEST_MEMORY = 0.1
 
 
 class DraftLengthPolicy:
@@ -43,6 +47,14 @@ class DraftLengthPolicy:
         self.steps_without_draft = 0
         # key -> per draft position [accepted weight, reached weight]
         self.acceptance: dict[Hashable, list[list[float]]] = {}
+
+    def begin_request(self) -> None:
+        """A new request starts: keep only REQUEST_MEMORY of the acceptance evidence."""
+        for positions in self.acceptance.values():
+            for counts in positions:
+                counts[0] *= REQUEST_MEMORY
+                counts[1] *= REQUEST_MEMORY
+        self.steps_without_draft = 0
 
     def choose(self, key: Hashable, num_available: int) -> int:
         """How many of num_available drafted tokens of this kind to verify (0 = none)."""

@@ -109,6 +109,8 @@ class Engine:
         cache = model.new_cache(max_length + self.num_draft_tokens + 1)
         generator = make_generator(params.seed)
         self.drafter.begin(params, generator, max_length + self.num_draft_tokens + 1)
+        if self.draft_length is not None:
+            self.draft_length.begin_request()
         eos = set(model.info.eos_token_ids)
         metrics = RequestMetrics(num_prompt_tokens=len(prompt_ids))
         text = TextStream(self.tokenizer, params.stop)

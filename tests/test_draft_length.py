@@ -86,3 +86,12 @@ def test_a_draft_model_that_stopped_drafting_is_probed_again():
     # Plain steps, with a one-token probe every PROBE_INTERVAL steps so acceptance can recover.
     assert chosen.count(1) == 2 and set(chosen) == {0, 1}
     assert chosen.index(1) == PROBE_INTERVAL - 1
+
+
+def test_a_new_request_relearns_acceptance_but_keeps_forward_costs():
+    policy = policy_with(BFLOAT16_AMX, None, [0] * 30)  # a request where drafts always failed
+    policy.observe_draft(5, 0.1)
+    assert policy.choose_before_drafting(5) == 0
+    policy.begin_request()
+    assert policy.forward_s == BFLOAT16_AMX  # the hardware did not change
+    assert policy.choose_before_drafting(5) > 0  # the new text gets tried
