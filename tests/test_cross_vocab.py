@@ -10,7 +10,6 @@ import torch
 from draftwise.config import SamplingParams, SpecConfig
 from draftwise.drafters import build_drafter
 from draftwise.drafters.cross_vocab import CrossVocabDrafter
-from draftwise.drafters.text_bridge import complete_length
 from draftwise.engine import Engine
 from draftwise.errors import ConfigError, IncompatibleDrafterError
 from tests.conftest import PROMPTS
@@ -25,6 +24,23 @@ CROSS_PROMPTS = PROMPTS[:9] + [[{"role": "user", "content": "Translate to Chines
 def qwen_plain_outputs(qwen_0_5b) -> list[list[int]]:
     engine = Engine(qwen_0_5b)
     return [engine.generate(prompt, PARAMS).token_ids for prompt in CROSS_PROMPTS]
+
+
+def smollm2_drafter(qwen_0_5b, smollm2, method: str) -> CrossVocabDrafter:
+    return CrossVocabDrafter(smollm2.model, smollm2.tokenizer, qwen_0_5b.tokenizer, qwen_0_5b.model.info.vocab_size,
+                             method)
+
+
+def steered(model, bias_for_call):
+    """model with bias_for_call(n) [vocab] added to the logits of its n-th forward: a draft
+    made to write what a test needs, through the real model and cache."""
+    calls = []
+
+    def forward(*args, **kwargs):
+        calls.append(None)
+        return model.forward(*args, **kwargs) + bias_for_call(len(calls) - 1)
+
+    return type("Steered", (), {"forward": staticmethod(forward), "new_cache": model.new_cache, "info": model.info})()
 
 
 def run_all(engine: Engine):
@@ -43,8 +59,7 @@ def assert_equal_and_speculated(results, expected_outputs, min_acceptance: float
 
 @pytest.mark.parametrize("method", ["string", "intersection"])
 def test_smollm2_draft_for_qwen_target_equals_plain_greedy(qwen_0_5b, smollm2, qwen_plain_outputs, method):
-    drafter = CrossVocabDrafter(smollm2.model, smollm2.tokenizer, qwen_0_5b.tokenizer,
-                                qwen_0_5b.model.info.vocab_size, method)
+    drafter = smollm2_drafter(qwen_0_5b, smollm2, method)
     results = run_all(Engine(qwen_0_5b, drafter, num_draft_tokens=4))
     # Measured on these prompts: 119/264 = 0.45 (string), 112/340 = 0.33 (intersection).
     assert_equal_and_speculated(results, qwen_plain_outputs, min_acceptance=0.2)
@@ -58,18 +73,11 @@ def test_gemma_draft_for_qwen_target_equals_plain_greedy(qwen_0_5b, gemma, qwen_
 
 
 def test_intersection_draft_only_proposes_target_ids_with_a_twin(qwen_0_5b, smollm2):
-    drafter = CrossVocabDrafter(smollm2.model, smollm2.tokenizer, qwen_0_5b.tokenizer,
-                                qwen_0_5b.model.info.vocab_size, "intersection")
+    drafter = smollm2_drafter(qwen_0_5b, smollm2, "intersection")
     # Make every draft token outside the intersection the draft's favourite: the draft must
     # still propose only shared tokens, carried to their target twins.
     outside = ~drafter.vocab_map.in_intersection[: smollm2.model.info.vocab_size]
-    original_forward = smollm2.model.forward
-
-    def forward_preferring_outside(*args, **kwargs):
-        return original_forward(*args, **kwargs) + 100.0 * outside.float()
-
-    drafter.model = type("Biased", (), {"forward": staticmethod(forward_preferring_outside),
-                                        "new_cache": smollm2.model.new_cache, "info": smollm2.model.info})()
+    drafter.model = steered(smollm2.model, lambda call: 100.0 * outside.float())
     drafter.begin(SamplingParams(), torch.Generator(), max_length=128)
     context = torch.tensor(qwen_0_5b.tokenizer.encode("def add(a, b):\n"))
     draft = drafter.propose(context, 4)
@@ -79,20 +87,24 @@ def test_intersection_draft_only_proposes_target_ids_with_a_twin(qwen_0_5b, smol
         assert twins.numel() > 0 and not bool(outside[twins].any())
 
 
-def test_a_context_ending_inside_a_character_gets_no_draft_that_breaks_it(qwen_0_5b, smollm2):
-    ids = qwen_0_5b.tokenizer.encode("Un mot: 漢", add_special_tokens=False)
-    for method in ("string", "intersection"):
-        drafter = CrossVocabDrafter(smollm2.model, smollm2.tokenizer, qwen_0_5b.tokenizer,
-                                    qwen_0_5b.model.info.vocab_size, method)
-        drafter.begin(SamplingParams(), torch.Generator(), max_length=128)
-        committed = ids[:-1]  # " \xe6", "\xbc": two of the three bytes of 漢
-        assert drafter.target_vocab.spell(committed).endswith("漢".encode()[:2])
-        draft = drafter.propose(torch.tensor(committed), 4)
-        spelled = drafter.target_vocab.spell(committed + draft.tokens.tolist())
-        # Whatever was proposed continues the held-back bytes into valid text.
-        spelled[: complete_length(spelled)].decode("utf-8")
-        if draft.tokens.numel():  # then it completed 漢's bytes, or some other character's
-            assert complete_length(spelled) > len(drafter.target_vocab.spell(committed))
+def test_a_context_ending_inside_a_character_is_continued_from_the_held_back_bytes(qwen_0_5b, smollm2):
+    ids = qwen_0_5b.tokenizer.encode("Un mot: 漢字", add_special_tokens=False)
+    committed = ids[:-2]  # Qwen spells " 漢字" as " \xe6", "\xbc", "\xa2", "字": drop the last two
+    string = smollm2_drafter(qwen_0_5b, smollm2, "string")
+    assert string.target_vocab.spell(committed).endswith(" 漢".encode()[:3])  # 漢 is unfinished
+    # The draft sees "Un mot: " and is steered to write "漢字": the proposal must start with the
+    # last byte of 漢, spelled by the target's own token for it.
+    script = smollm2.tokenizer.encode("漢字", add_special_tokens=False)
+    string.model = steered(smollm2.model, lambda call: 100.0 * torch.nn.functional.one_hot(
+        torch.tensor(script[min(call, len(script) - 1)]), smollm2.model.info.vocab_size).float())
+    string.begin(SamplingParams(), torch.Generator(), max_length=128)
+    draft = string.propose(torch.tensor(committed), 4)
+    assert draft.tokens.tolist()[:1] == [ids[len(committed)]]
+    assert string.target_vocab.spell(committed + draft.tokens.tolist()).startswith("Un mot: 漢".encode())
+    # Intersection drafts target tokens one for one, so it cannot finish a character: no draft.
+    intersection = smollm2_drafter(qwen_0_5b, smollm2, "intersection")
+    intersection.begin(SamplingParams(), torch.Generator(), max_length=128)
+    assert intersection.propose(torch.tensor(committed), 4).tokens.numel() == 0
 
 
 def test_default_build_quantizes_the_draft_and_names_the_method(qwen_0_5b):

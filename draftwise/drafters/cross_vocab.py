@@ -25,7 +25,7 @@ import torch
 from draftwise.config import CROSS_VOCAB_METHODS, SamplingParams
 from draftwise.drafters.base import Draft, empty_draft
 from draftwise.drafters.text_bridge import continuation_tokens, split_committed
-from draftwise.drafters.vocab import vocabulary_pair
+from draftwise.drafters.vocab import PROBE_TEXT, vocabulary_pair
 from draftwise.errors import ConfigError, IncompatibleDrafterError
 from draftwise.models.base import CausalLM
 from draftwise.sampling import logits_to_probs, sample
@@ -188,8 +188,6 @@ class Intersection:
 
 def intersection_coverage(in_intersection: torch.Tensor, draft_tokenizer) -> float:
     """Share of the draft's own tokens, on a mixed sample of text, that have a target twin."""
-    from draftwise.drafters.vocab import PROBE_TEXT
-
     ids = draft_tokenizer.encode(COVERAGE_TEXT + PROBE_TEXT, add_special_tokens=False)
     return float(in_intersection[torch.tensor(ids)].float().mean())
 
