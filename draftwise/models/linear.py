@@ -4,10 +4,13 @@ A decode step multiplies a few rows (the last token plus k draft tokens) by ever
 matrix, so the kernels that matter are skinny matrix products, which are bound by how many
 weight bytes they read. Measured on this project's 2-core CPU (Qwen2.5-1.5B shapes):
 
-- float32: `x @ weight_t` with the weight stored transposed ([in, out], contiguous) costs
-  1.7x the time of one row for 11 rows; `F.linear` on the usual [out, in] layout costs 3.4x.
-  That gap is the price of verifying a draft, so float32 models always use the transposed
-  layout (`TransposedLinear`). bfloat16 is the other way round and keeps `nn.Linear`.
+- float32: MKL's sgemm reads the weight once per 3 rows (`F.linear`: 11 rows cost 3.4x one
+  row) or, on a transposed copy, costs 1.4x at 2 rows and 1.9x at 11. draftwise's own kernel
+  (`SkinnyLinear`, kernels/skinny_linear.cpp) reads it once for any number of rows: a whole
+  Qwen2.5-1.5B forward over 2 / 4 / 6 / 11 tokens costs 1.07x / 1.19x / 1.26x / 1.59x one
+  token, against 1.70x / 1.71x / 1.89x / 2.10x with the transposed copy, and the same for one
+  token. That gap is the price of verifying a draft. Where the kernel cannot be compiled,
+  float32 models use the transposed copy (`TransposedLinear`). bfloat16 keeps `nn.Linear`.
 - int8 / int4 weight-only (`--quantize`; int4 keeps the output projection in int8): PyTorch's own CPU kernels
   (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) read 2x / 4x fewer bytes than
   bfloat16. They are fast with bfloat16 activations only, so quantized models compute in
@@ -19,11 +22,14 @@ the tolerances); none of them changes what the model computes, only how fast.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from draftwise.errors import ConfigError
+from draftwise.models.skinny import Kernel, skinny_kernel
 
 QUANTIZATIONS = ("int8", "int4")
 # 32 input channels per int4 group: GGUF's Q4_K blocks are 32 wide, so weights dequantised
@@ -39,6 +45,28 @@ INT4_KEEP_INT8 = ("lm_head",)
 # in the int8 kernel, which is built for a few rows. (For int4 no faster path was found:
 # dequantising costs as much as its kernel.)
 INT8_DEQUANTIZE_ROWS = 32
+
+
+# Up to this many rows (a decode or verify step) SkinnyLinear uses its own kernel; more rows (a
+# prefill) go to MKL's sgemm, which is compute-bound there and better at it.
+SKINNY_MAX_ROWS = 16
+
+
+class SkinnyLinear(nn.Module):
+    """y = x @ weight.T + bias, weight [out, in] as stored: few rows through draftwise's
+    kernel, many through MKL."""
+
+    def __init__(self, linear: nn.Linear, kernel: Kernel) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(linear.weight.detach().contiguous(), requires_grad=False)
+        self.bias = linear.bias
+        self.kernel = kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in] -> [T, out]
+        if x.shape[0] > SKINNY_MAX_ROWS:
+            return F.linear(x, self.weight, self.bias)
+        out = self.kernel(x.contiguous(), self.weight)
+        return out if self.bias is None else out.add_(self.bias)
 
 
 class TransposedLinear(nn.Module):
@@ -122,18 +150,24 @@ def check_quantize(quantize: str | None, dtype: torch.dtype) -> None:
         )
 
 
-def prepare_linears(module: nn.Module, dtype: torch.dtype, quantize: str | None = None) -> nn.Module:
+def prepare_linears(module: nn.Module, dtype: torch.dtype, quantize: str | None = None,
+                    progress: bool = True) -> nn.Module:
     """Replace every nn.Linear under module with the fastest kernel for dtype / quantize, in
-    place; returns module."""
+    place; returns module. progress: say so when the float32 kernel is compiled (once)."""
     check_quantize(quantize, dtype)
     kernel = {"int8": Int8Linear, "int4": Int4Linear}.get(quantize)
     if kernel is None:
         if dtype != torch.float32:
             return module  # bfloat16: nn.Linear is already the fast path
-        kernel = TransposedLinear
+        skinny = skinny_kernel(progress)
+        kernel = TransposedLinear if skinny is None else functools.partial(SkinnyLinear, kernel=skinny)
+    return _replace_linears(module, kernel, quantize)
+
+
+def _replace_linears(module: nn.Module, kernel, quantize: str | None) -> nn.Module:
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
             setattr(module, name, Int8Linear(child) if quantize == "int4" and name in INT4_KEEP_INT8 else kernel(child))
         else:
-            prepare_linears(child, dtype, quantize)
+            _replace_linears(child, kernel, quantize)
     return module

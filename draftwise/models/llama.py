@@ -165,7 +165,9 @@ class LlamaModel(nn.Module):
         """Build without random initialisation (meta device) and adopt the given tensors."""
         with torch.device("meta"):
             model = cls(shape, info)
-        state_dict = {name: tensor.to(dtype) for name, tensor in state_dict.items()
+        # copy=True: safetensors hands out tensors inside the mmapped file, at offsets not
+        # aligned to cache lines; a Qwen2.5-1.5B step read them 35% slower there (293 vs 213 ms).
+        state_dict = {name: tensor.to(dtype, copy=True) for name, tensor in state_dict.items()
                       if name.startswith(("model.", "lm_head."))}
         if "lm_head.weight" not in state_dict:
             if not shape.tie_word_embeddings:

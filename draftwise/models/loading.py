@@ -102,7 +102,7 @@ def load(spec: str, dtype: str = "float32", auto_fetch: bool = False, progress: 
     )
     model = LlamaModel.from_state_dict(shape, info, state_dict, torch_dtype)
     del state_dict  # the kernels below copy weights into their own layouts: free the originals as they go
-    return LoadedModel(prepare_linears(model, torch_dtype, quantize), tokenizer, folder)
+    return LoadedModel(prepare_linears(model, torch_dtype, quantize, progress=progress), tokenizer, folder)
 
 
 def runs_natively(spec: str, progress: bool = True) -> bool:
