@@ -8,7 +8,6 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from draftwise.models import skinny
