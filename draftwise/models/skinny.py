@@ -54,6 +54,9 @@ def _build(progress: bool) -> Kernel | None:
             name="draftwise_skinny_linear",
             sources=[str(SOURCE)],
             build_directory=str(build_dir),
+            # -ffp-contract=fast: fused multiply-adds (ISO C++ mode turns them off; without
+            # them the kernel is 2x the instructions). -fopenmp: ATen's parallel_for is a
+            # header template that runs on one thread unless OpenMP is on (measured: 2x slower).
             extra_cflags=["-O3", "-ffp-contract=fast", "-fopenmp", *_arch_flags()],
             extra_ldflags=["-fopenmp"],
             verbose=False,
