@@ -7,9 +7,9 @@ weight bytes they read. Measured on this project's 2-core CPU (Qwen2.5-1.5B shap
 - float32: MKL's sgemm reads the weight once per 3 rows (`F.linear`: 11 rows cost 3.4x one
   row) or, on a transposed copy, costs 1.4x at 2 rows and 1.9x at 11. draftwise's own kernel
   (`SkinnyLinear`, kernels/skinny_linear.cpp) reads it once for any number of rows: a whole
-  Qwen2.5-1.5B forward over 2 / 4 / 6 / 11 tokens costs 1.07x / 1.19x / 1.26x / 1.59x one
-  token, against 1.70x / 1.71x / 1.89x / 2.10x with the transposed copy, and the same for one
-  token. That gap is the price of verifying a draft. Where the kernel cannot be compiled,
+  Qwen2.5-1.5B forward over 2 / 4 / 6 / 11 tokens costs 1.07x / 1.16x / 1.22x / 1.50x one
+  token, against 1.72x / 1.69x / 1.89x / 2.09x with the transposed copy, and the same for one
+  token (213 vs 227 ms). That gap is the price of verifying a draft. Where the kernel cannot be compiled,
   float32 models use the transposed copy (`TransposedLinear`). bfloat16 keeps `nn.Linear`.
 - int8 / int4 weight-only (`--quantize`; int4 keeps the output projection in int8): PyTorch's own CPU kernels
   (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) read 2x / 4x fewer bytes than

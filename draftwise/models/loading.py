@@ -101,7 +101,7 @@ def load(spec: str, dtype: str = "float32", auto_fetch: bool = False, progress: 
         eos_token_ids=_eos_token_ids(config, tokenizer),
     )
     model = LlamaModel.from_state_dict(shape, info, state_dict, torch_dtype)
-    del state_dict  # the kernels below copy weights into their own layouts: free the originals as they go
+    del state_dict  # from_state_dict copied the weights out of the mapped files: let the mappings go
     return LoadedModel(prepare_linears(model, torch_dtype, quantize, progress=progress), tokenizer, folder)
 
 

@@ -47,7 +47,7 @@ def _build(progress: bool) -> Kernel | None:
     build_dir = _build_directory()
     build_dir.mkdir(parents=True, exist_ok=True)
     if progress and not any(build_dir.glob("*.so")):
-        print("draftwise: compiling the float32 decode kernel for this CPU (once, about 30 s)...",
+        print("draftwise: compiling the float32 decode kernel for this CPU (once, about 25 s)...",
               file=sys.stderr, flush=True)
     try:
         module = load(
@@ -66,7 +66,7 @@ def _build(progress: bool) -> Kernel | None:
         warnings.warn(
             f"draftwise could not compile its float32 decode kernel ({first_line}). float32 models "
             "will use MKL's kernels: the same output, but verifying a draft costs up to 2x a plain "
-            f"step instead of 1.1-1.6x. Install a C++ compiler (g++) and `pip install ninja` to get it, "
+            f"step instead of 1.07-1.5x. Install a C++ compiler (g++) and `pip install ninja` to get it, "
             f"or set {DISABLE_ENV}=0 to skip it without this warning.",
             RuntimeWarning,
             stacklevel=2,
