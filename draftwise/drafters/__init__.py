@@ -18,16 +18,21 @@ def _build_ngram(spec: SpecConfig, target: LoadedModel, dtype: str, progress: bo
 
 
 def _load_draft(spec: SpecConfig, dtype: str, progress: bool) -> LoadedModel:
-    """The draft model, quantized as spec.draft_quantize says (quantized weights compute in
-    bfloat16, whatever the target's dtype: the draft's numerics never reach the output)."""
+    """The draft model, stored as spec.draft_quantize says ("auto": a GGUF draft's own blocks,
+    another native draft in int8 blocks; the draft's numerics never reach the output)."""
     from draftwise.models import loading
 
     quantize = spec.draft_quantize
     if quantize == "auto":
-        quantize = "int8" if loading.runs_natively(spec.draft_model, progress=progress) else "none"
+        if not loading.runs_natively(spec.draft_model, progress=progress):
+            quantize = "none"
+        elif loading.gguf_source(spec.draft_model) is not None:
+            return loading.load(spec.draft_model, dtype="auto", progress=progress)
+        else:
+            quantize = "int8"
     if quantize == "none":
         return loading.load(spec.draft_model, dtype=dtype, progress=progress)
-    return loading.load(spec.draft_model, dtype="bfloat16", progress=progress, quantize=quantize)
+    return loading.load(spec.draft_model, dtype="float32", progress=progress, quantize=quantize)
 
 
 def _build_model(spec: SpecConfig, target: LoadedModel, dtype: str, progress: bool) -> Drafter:
@@ -51,7 +56,7 @@ DRAFTERS: dict[str, Callable[[SpecConfig, LoadedModel, str, bool], Drafter] | No
 }
 
 
-def build_drafter(spec: SpecConfig, target: LoadedModel, dtype: str = "float32", progress: bool = True) -> Drafter | None:
+def build_drafter(spec: SpecConfig, target: LoadedModel, dtype: str = "auto", progress: bool = True) -> Drafter | None:
     try:
         factory = DRAFTERS[spec.drafter]
     except KeyError:

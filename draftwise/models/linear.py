@@ -1,173 +1,163 @@
-"""Linear-layer kernels for CPU decoding, swapped in once after loading.
+"""Weights as stored: linear layers and embeddings over GGUF block formats, float32 activations.
 
-A decode step multiplies a few rows (the last token plus k draft tokens) by every weight
-matrix, so the kernels that matter are skinny matrix products, which are bound by how many
-weight bytes they read. Measured on this project's 2-core CPU (Qwen2.5-1.5B shapes):
+Every weight of the native decoder lives in one of GGUF's formats (`WeightFormat`): the
+quantized blocks of a GGUF file as shipped (Q4_K, Q6_K, Q5_0, Q4_1, Q8_0, ...), bfloat16 or
+float16 halves, or float32. draftwise's kernel (kernels/linear.cpp) reads each block once per
+forward for a decode or verify step, dequantises it in cache and multiplies it in float32: a
+4-bit file is read at ~4.5 bits a weight instead of the 32 of a dequantised copy, and a row's
+result never depends on the rows beside it (batch invariance, kernels/vec.h).
 
-- float32: MKL's sgemm reads the weight once per 3 rows (`F.linear`: 11 rows cost 3.4x one
-  row) or, on a transposed copy, costs 1.4x at 2 rows and 1.9x at 11. draftwise's own kernel
-  (`SkinnyLinear`, kernels/skinny_linear.cpp) reads it once for any number of rows: a whole
-  Qwen2.5-1.5B forward over 2 / 4 / 6 / 11 tokens costs 1.07x / 1.16x / 1.22x / 1.50x one
-  token, against 1.72x / 1.69x / 1.89x / 2.09x with the transposed copy, and the same for one
-  token (213 vs 227 ms). That gap is the price of verifying a draft. Where the kernel cannot be compiled,
-  float32 models use the transposed copy (`TransposedLinear`). bfloat16 keeps `nn.Linear`.
-- int8 / int4 weight-only (`--quantize`; int4 keeps the output projection in int8): PyTorch's own CPU kernels
-  (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) read 2x / 4x fewer bytes than
-  bfloat16. They are fast with bfloat16 activations only, so quantized models compute in
-  bfloat16.
+`--quantize int8|int4` re-quantizes float weights into Q8_0 / Q4_1 blocks (32 weights, one
+float16 scale, plus a float16 minimum for Q4_1): the same kernel, the same invariance.
 
-Outputs of every kernel here match `F.linear` up to rounding (tests/test_quantize.py states
-the tolerances); none of them changes what the model computes, only how fast.
+Without the compiled kernels (no compiler), weights are dequantised to float32 at load and run
+through F.linear: the same values, more memory, and no batch-invariance guarantee.
 """
 
 from __future__ import annotations
 
-import functools
-
+import numpy as np
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType as WeightFormat
+from gguf import quants
 from torch import nn
 
 from draftwise.errors import ConfigError
-from draftwise.models.skinny import Kernel, skinny_kernel
+from draftwise.models.kernels import native_kernels
 
-QUANTIZATIONS = ("int8", "int4")
-# 32 input channels per int4 group: GGUF's Q4_K blocks are 32 wide, so weights dequantised
-# from a Q4_K file re-quantize almost exactly (SmolLM2: mean KL to float32 0.045 at 32, 0.69
-# at 64 whose groups straddle two blocks).
-INT4_GROUP_SIZE = 32
-# int4 mode keeps these in int8: the output projection (often tied to the embedding and
-# stored at 6-8 bits in GGUF files) decides every token; in 4 bits it cost SmolLM2 12 points
-# of top-1 agreement, in 8 bits one (llama.cpp's Q4_K_M keeps it at 6 bits too).
+# `--quantize` name -> the block format it stores (both 32-weight blocks with float16 scales)
+QUANTIZATIONS = {"int8": WeightFormat.Q8_0, "int4": WeightFormat.Q4_1}
+# int4 mode keeps these in Q8_0: the output projection decides every token; in 4 bits it cost
+# SmolLM2 12 points of top-1 agreement, in 8 bits one (llama.cpp's Q4_K_M keeps it at 6 bits).
 INT4_KEEP_INT8 = ("lm_head",)
-# From this many rows on (a prefill), Int8Linear dequantises the weight and uses the bfloat16
-# matmul: for an 8960x1536 weight and 330 rows, 5 ms dequantising + 22 ms (AMX) against 58 ms
-# in the int8 kernel, which is built for a few rows. (For int4 no faster path was found:
-# dequantising costs as much as its kernel.)
-INT8_DEQUANTIZE_ROWS = 32
+# Formats the kernel runs as they are; any other GGUF format is dequantised to float32 at load.
+NATIVE_FORMATS = frozenset({WeightFormat.F32, WeightFormat.F16, WeightFormat.BF16, WeightFormat.Q4_0,
+                            WeightFormat.Q4_1, WeightFormat.Q5_0, WeightFormat.Q5_1, WeightFormat.Q8_0,
+                            WeightFormat.Q4_K, WeightFormat.Q6_K})
 
 
-# Up to this many rows (a decode or verify step) SkinnyLinear uses its own kernel; more rows (a
-# prefill) go to MKL's sgemm, which is compute-bound there and better at it.
-SKINNY_MAX_ROWS = 16
+class BlockWeight(nn.Module):
+    """num_rows rows of num_columns weights in `format`: bytes [num_rows, bytes per row]."""
 
-
-class SkinnyLinear(nn.Module):
-    """y = x @ weight.T + bias, weight [out, in] as stored: few rows through draftwise's
-    kernel, many through MKL."""
-
-    def __init__(self, linear: nn.Linear, kernel: Kernel) -> None:
+    def __init__(self, data: torch.Tensor, format: WeightFormat, num_columns: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(linear.weight.detach().contiguous(), requires_grad=False)
-        self.bias = linear.bias
-        self.kernel = kernel
+        if format not in NATIVE_FORMATS:  # e.g. Q5_K, IQ4: exact float32 values, 32 bits each
+            data = _raw_bytes(torch.from_numpy(quants.dequantize(data.numpy(), format)).reshape(-1, num_columns))
+            format = WeightFormat.F32
+        self.format = WeightFormat(format)
+        self.num_columns = num_columns
+        self.kernels = native_kernels(progress=False)
+        if self.kernels is None:  # PyTorch ops need float32 values
+            self.register_buffer("data", torch.empty(0, dtype=torch.uint8), persistent=False)
+            self.register_buffer("dense", dequantize(data, format, num_columns), persistent=False)
+        else:
+            self.register_buffer("data", data.contiguous(), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in] -> [T, out]
-        if x.shape[0] > SKINNY_MAX_ROWS:
-            return F.linear(x, self.weight, self.bias)
-        out = self.kernel(x.contiguous(), self.weight)
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, format: WeightFormat) -> "BlockWeight":
+        """Store a float weight [rows, columns] in format (float32, bfloat16 or a block format)."""
+        num_columns = weight.shape[1]
+        if format == WeightFormat.F32:
+            data = _raw_bytes(weight.detach().float().contiguous())
+        elif format in (WeightFormat.BF16, WeightFormat.F16):
+            dtype = torch.bfloat16 if format == WeightFormat.BF16 else torch.float16
+            data = _raw_bytes(weight.detach().to(dtype).contiguous())
+        else:
+            block = quants.GGML_QUANT_SIZES[format][0]
+            if num_columns % block:
+                raise ConfigError(f"{format.name} stores rows in blocks of {block} weights; a layer has "
+                                  f"{num_columns} columns: use --quantize int8 or no --quantize.")
+            data = torch.from_numpy(quants.quantize(weight.detach().float().numpy(), format))
+        return cls(data, format, num_columns)
+
+    @property
+    def num_rows(self) -> int:
+        return (self.dense if self.kernels is None else self.data).shape[0]
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:  # ids [T] -> [T, num_columns] float32
+        if self.kernels is None:
+            return F.embedding(ids, self.dense)
+        return self.kernels.dequantize_rows(self.data, int(self.format), self.num_columns, ids)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:  # x [T, num_columns] float32 -> [T, num_rows]
+        if self.kernels is None:
+            return F.linear(x, self.dense)
+        return self.kernels.blocked_linear(x.contiguous(), self.data, int(self.format), self.num_columns)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_rows}x{self.num_columns}, {self.format.name}"
+
+
+class BlockLinear(nn.Module):
+    """y = x @ weight.T + bias, weight a BlockWeight (possibly shared with an embedding)."""
+
+    def __init__(self, weight: BlockWeight, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.weight = weight
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        out = self.weight.matmul(x)
         return out if self.bias is None else out.add_(self.bias)
 
 
-class TransposedLinear(nn.Module):
-    """y = x @ weight_t + bias, weight_t [in, out] contiguous: fast skinny float32 products."""
+class BlockEmbedding(nn.Module):
+    """Token embeddings looked up row by row out of a BlockWeight [vocab, hidden]."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, weight: BlockWeight) -> None:
         super().__init__()
-        self.weight_t = nn.Parameter(linear.weight.detach().t().contiguous(), requires_grad=False)
-        self.bias = linear.bias
+        self.weight = weight
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in] -> [T, out]
-        if self.bias is None:
-            return x @ self.weight_t
-        return torch.addmm(self.bias, x, self.weight_t)
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden] float32
+        return self.weight.rows(ids)
 
 
-class Int8Linear(nn.Module):
-    """Weight-only int8: one symmetric scale per output channel, w ~= q * scale."""
-
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        weight = linear.weight.detach().float()  # [out, in]
-        # The kernel takes bfloat16 scales: round them first, then quantize against the rounded ones.
-        scales = (weight.abs().amax(dim=1).clamp(min=1e-8) / 127.0).to(torch.bfloat16)  # [out]
-        q = (weight / scales.float()[:, None]).round().clamp(-127, 127)
-        self.register_buffer("weight", q.to(torch.int8))
-        self.register_buffer("scales", scales)
-        self.bias = _bfloat16_bias(linear)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in] bfloat16
-        if x.shape[0] >= INT8_DEQUANTIZE_ROWS:
-            return F.linear(x, self.weight.to(x.dtype) * self.scales[:, None], self.bias)
-        out = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
-        return out if self.bias is None else out + self.bias
+def dequantize(data: torch.Tensor, format: WeightFormat, num_columns: int) -> torch.Tensor:
+    """Block bytes -> float32 [rows, num_columns], by gguf-py (the reference)."""
+    if format == WeightFormat.F32:
+        return data.view(torch.float32).reshape(-1, num_columns).clone()
+    if format == WeightFormat.BF16:
+        return data.view(torch.bfloat16).reshape(-1, num_columns).float()
+    values = quants.dequantize(data.numpy(), format)
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(-1, num_columns)
 
 
-class Int4Linear(nn.Module):
-    """Weight-only int4, asymmetric per group of input channels: w ~= (q - 8) * scale + zero,
-    q in 0..15, packed by PyTorch for its CPU kernel."""
-
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        num_out, num_in = linear.weight.shape
-        if num_out % 16:
-            raise ConfigError(f"int4 needs output sizes divisible by 16; a layer has {num_out}: use --quantize int8.")
-        self.group_size = INT4_GROUP_SIZE
-        if num_in % self.group_size:
-            raise ConfigError(f"int4 needs input sizes divisible by {self.group_size}; a layer has {num_in}: "
-                              "use --quantize int8.")
-        groups = linear.weight.detach().float().view(num_out, num_in // self.group_size, self.group_size)
-        low = groups.amin(dim=-1, keepdim=True)
-        scales = (groups.amax(dim=-1, keepdim=True) - low).clamp(min=1e-8) / 15.0  # [out, groups, 1]
-        q = ((groups - low) / scales).round().clamp(0, 15).to(torch.int32).view(num_out, num_in)
-        self.register_buffer("weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
-        zeros = low + 8.0 * scales  # the kernel subtracts 8 from q
-        # [groups, out, 2]: the kernel's layout for (scale, zero) pairs
-        scales_and_zeros = torch.cat((scales, zeros), dim=-1).transpose(0, 1).contiguous()
-        self.register_buffer("scales_and_zeros", scales_and_zeros.to(torch.bfloat16))
-        self.bias = _bfloat16_bias(linear)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in] bfloat16
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, self.group_size, self.scales_and_zeros)
-        return out if self.bias is None else out + self.bias
-
-
-def _bfloat16_bias(linear: nn.Linear) -> nn.Parameter | None:
-    if linear.bias is None:
-        return None
-    return nn.Parameter(linear.bias.detach().to(torch.bfloat16), requires_grad=False)
-
-
-def check_quantize(quantize: str | None, dtype: torch.dtype) -> None:
-    if quantize is None:
-        return
-    if quantize not in QUANTIZATIONS:
+def check_quantize(quantize: str | None) -> None:
+    if quantize is not None and quantize not in QUANTIZATIONS:
         raise ConfigError(f"quantize={quantize!r} is not supported: use one of {', '.join(QUANTIZATIONS)}.")
-    if dtype != torch.bfloat16:
-        raise ConfigError(
-            f"--quantize {quantize} computes in bfloat16 (PyTorch's CPU int8/int4 kernels are fast only "
-            "there): use --dtype bfloat16 with it."
-        )
 
 
-def prepare_linears(module: nn.Module, dtype: torch.dtype, quantize: str | None = None,
-                    progress: bool = True) -> nn.Module:
-    """Replace every nn.Linear under module with the fastest kernel for dtype / quantize, in
-    place; returns module. progress: say so when the float32 kernel is compiled (once)."""
-    check_quantize(quantize, dtype)
-    kernel = {"int8": Int8Linear, "int4": Int4Linear}.get(quantize)
-    if kernel is None:
-        if dtype != torch.float32:
-            return module  # bfloat16: nn.Linear is already the fast path
-        skinny = skinny_kernel(progress)
-        kernel = TransposedLinear if skinny is None else functools.partial(SkinnyLinear, kernel=skinny)
-    return _replace_linears(module, kernel, quantize)
+def store_weights(module: nn.Module, format: WeightFormat, quantize: str | None = None) -> nn.Module:
+    """Replace every nn.Linear and nn.Embedding under module by its BlockLinear / BlockEmbedding
+    in format (or in quantize's block format), in place; returns module. A tied lm_head keeps
+    sharing the embedding's weight."""
+    check_quantize(quantize)
+    stored: dict[tuple, BlockWeight] = {}  # a float tensor's storage -> its stored copy (tied weights)
 
+    def store(name: str, weight: torch.Tensor) -> BlockWeight:
+        chosen = format
+        if quantize is not None:
+            chosen = QUANTIZATIONS["int8" if quantize == "int4" and name in INT4_KEEP_INT8 else quantize]
+        key = (weight.data_ptr(), tuple(weight.shape), chosen)
+        if key not in stored:
+            stored[key] = BlockWeight.from_float(weight, chosen)
+        return stored[key]
 
-def _replace_linears(module: nn.Module, kernel, quantize: str | None) -> nn.Module:
-    for name, child in list(module.named_children()):
-        if isinstance(child, nn.Linear):
-            setattr(module, name, Int8Linear(child) if quantize == "int4" and name in INT4_KEEP_INT8 else kernel(child))
-        else:
-            _replace_linears(child, kernel, quantize)
+    def replace(parent: nn.Module) -> None:
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, BlockLinear(store(name, child.weight), child.bias))
+            elif isinstance(child, nn.Embedding):
+                # Embeddings stay exact in quantize mode: a lookup reads one row, never the bytes.
+                setattr(parent, name, BlockEmbedding(store(name, child.weight) if quantize is None
+                                                     else BlockWeight.from_float(child.weight, format)))
+            else:
+                replace(child)
+
+    replace(module)
     return module
+
+
+def _raw_bytes(tensor: torch.Tensor) -> torch.Tensor:  # [rows, columns] -> uint8 [rows, bytes], no copy
+    return tensor.view(torch.uint8).reshape(tensor.shape[0], -1)

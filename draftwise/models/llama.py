@@ -1,8 +1,16 @@
-"""A native PyTorch decoder for Llama-family weights (Llama, SmolLM2, Qwen2, Mistral).
+"""A native decoder for Llama-family weights (Llama, SmolLM2, Qwen2, Mistral).
 
 It reads the HF state-dict names, so any checkpoint transformers can load for these
-architectures loads here too. The KV cache is static (draftwise.kv_cache), so rolling back a
+architectures loads here too, and GGUF files with their quantized blocks as shipped
+(models/gguf_weights.py). The KV cache is static (draftwise.kv_cache), so rolling back a
 rejected draft costs nothing.
+
+Batch invariance: every op computes a token's row with the same arithmetic whatever else the
+forward holds (one token, a draft, a tree, a prefill): linears and the embedding on
+draftwise's kernels (models/linear.py), RMSNorm, the gated MLP and attention in models/ops.py,
+rotary angles from a table filled in fixed-size chunks. So a position's logits are
+bit-identical however they were computed, and greedy speculation equals plain greedy decoding
+in every weight format (tests/test_batch_invariance.py). Activations are float32.
 """
 
 from __future__ import annotations
@@ -10,12 +18,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from draftwise.errors import ModelLoadError
 from draftwise.kv_cache import KVCache
+from draftwise.models import ops
 from draftwise.models.base import ModelInfo
+from draftwise.models.linear import BlockEmbedding, BlockLinear, BlockWeight, WeightFormat, store_weights
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
 
@@ -76,11 +85,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 whatever the weights' dtype, as the reference implementation does.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, size] float32
+        return ops.rms_norm(x, self.weight, self.eps)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -100,18 +106,18 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_size, shape.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
-                start: int, mask: torch.Tensor | None) -> torch.Tensor:  # x: [T, hidden]
+                start: int, tree_mask: torch.Tensor | None) -> torch.Tensor:  # x: [T, hidden]
         num_tokens = x.shape[0]
         s = self.shape
-        # [T, hidden] -> [1, heads, T, head_dim]
-        q = self.q_proj(x).view(1, num_tokens, s.num_heads, s.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(1, num_tokens, s.num_kv_heads, s.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(1, num_tokens, s.num_kv_heads, s.head_dim).transpose(1, 2)
+        # [T, hidden] -> [T, heads, head_dim]; cos, sin [T, 1, head_dim]
+        q = self.q_proj(x).view(num_tokens, s.num_heads, s.head_dim)
+        k = self.k_proj(x).view(num_tokens, s.num_kv_heads, s.head_dim)
+        v = self.v_proj(x).view(num_tokens, s.num_kv_heads, s.head_dim)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        keys, values = cache.write(layer, start, k, v)  # [1, kv_heads, start + T, head_dim]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-        return self.o_proj(out.transpose(1, 2).reshape(num_tokens, -1))
+        cache.write(layer, start, k.transpose(0, 1)[None], v.transpose(0, 1)[None])
+        out = ops.attention(q, cache.keys[layer, 0], cache.values[layer, 0], start, tree_mask)  # [T, heads, head_dim]
+        return self.o_proj(out.reshape(num_tokens, -1))
 
 
 class MLP(nn.Module):
@@ -122,7 +128,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -134,8 +140,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(shape)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
-                start: int, mask: torch.Tensor | None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, start, mask)
+                start: int, tree_mask: torch.Tensor | None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, start, tree_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -158,17 +164,16 @@ class LlamaModel(nn.Module):
         self.info = info
         self.model = Backbone(shape)
         self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
-        self.register_buffer("inv_freq", _rope_inverse_frequencies(shape), persistent=False)
+        self.rope = RopeTable(shape)
 
     @classmethod
-    def from_state_dict(cls, shape: DecoderShape, info: ModelInfo, state_dict: dict[str, torch.Tensor], dtype: torch.dtype) -> "LlamaModel":
-        """Build without random initialisation (meta device) and adopt the given tensors."""
+    def from_state_dict(cls, shape: DecoderShape, info: ModelInfo, state_dict: dict[str, torch.Tensor],
+                        format: WeightFormat = WeightFormat.F32, quantize: str | None = None) -> "LlamaModel":
+        """Build from float tensors (HF names), storing the weights in format (F32, BF16, F16) or
+        in quantize's block format ("int8", "int4"); norms and biases stay float32."""
         with torch.device("meta"):
             model = cls(shape, info)
-        # copy=True: safetensors hands out tensors inside the mmapped file, at offsets not
-        # aligned to cache lines; a Qwen2.5-1.5B step read them 35% slower there (293 vs 213 ms).
-        state_dict = {name: tensor.to(dtype, copy=True) for name, tensor in state_dict.items()
-                      if name.startswith(("model.", "lm_head."))}
+        state_dict = {name: tensor.float() for name, tensor in state_dict.items() if name.startswith(("model.", "lm_head."))}
         if "lm_head.weight" not in state_dict:
             if not shape.tie_word_embeddings:
                 raise ModelLoadError("checkpoint has no lm_head.weight and does not tie embeddings.")
@@ -178,7 +183,40 @@ class LlamaModel(nn.Module):
         missing, unexpected = model.load_state_dict(state_dict, strict=False, assign=True)
         if missing or unexpected:
             raise ModelLoadError(f"checkpoint does not match the architecture: missing {missing[:5]}, unexpected {unexpected[:5]}")
-        model.inv_freq = _rope_inverse_frequencies(shape)  # buffers made on meta hold no values
+        # store_weights copies every matrix into its own buffer (aligned; not in a file mapping).
+        return store_weights(model, format, quantize).eval()
+
+    @classmethod
+    def from_blocks(cls, shape: DecoderShape, info: ModelInfo, tensors: dict) -> "LlamaModel":
+        """Build from models/gguf_weights.read_blocks: matrices as (bytes, format, columns),
+        kept in their blocks; vectors as float32 tensors."""
+        with torch.device("meta"):
+            model = cls(shape, info)
+        if "lm_head.weight" not in tensors:
+            tensors = {**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"]}
+        weights: dict[int, BlockWeight] = {}  # one BlockWeight per GGUF tensor (tied embeddings)
+        vectors = {}
+        for name, value in tensors.items():
+            if _layer_index(name) >= shape.num_layers:
+                continue
+            if isinstance(value, torch.Tensor):
+                vectors[name] = value
+                continue
+            module_name = name.removesuffix(".weight")
+            weight = weights.setdefault(id(value), BlockWeight(*value))
+            parent, _, child = module_name.rpartition(".")
+            wrapper = BlockEmbedding(weight) if child == "embed_tokens" else BlockLinear(weight)
+            setattr(model.get_submodule(parent), child, wrapper)
+        for name, vector in vectors.items():  # norms, and biases of linears already replaced
+            parent, _, child = name.rpartition(".")
+            module = model.get_submodule(parent)
+            if child == "bias":
+                module.bias = vector
+            else:
+                module.weight = nn.Parameter(vector, requires_grad=False)
+        for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+            if tensor.is_meta:
+                raise ModelLoadError(f"the GGUF file has no tensor for {name}")
         return model.eval()
 
     def truncated(self, num_layers: int) -> "LlamaModel":
@@ -194,13 +232,13 @@ class LlamaModel(nn.Module):
         model.model.layers = nn.ModuleList(self.model.layers[:num_layers])
         model.model.norm = self.model.norm
         model.lm_head = self.lm_head
-        model.inv_freq = self.inv_freq
+        model.rope = self.rope
         return model.eval()
 
     @property
     def dtype(self) -> torch.dtype:
-        """The activations' dtype (weights may be quantized below it)."""
-        return self.model.embed_tokens.weight.dtype
+        """The activations' dtype: float32 whatever format the weights are stored in."""
+        return torch.float32
 
     def new_cache(self, max_length: int) -> KVCache:
         s = self.shape
@@ -212,38 +250,41 @@ class LlamaModel(nn.Module):
         tokens: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
         cache: KVCache,
-        attn_mask: torch.Tensor | None = None,  # [T, T] bool, True = may attend
+        attn_mask: torch.Tensor | None = None,  # [T, T] bool among the new tokens, True = may attend; None = causal
         num_logits: int | None = None,  # score only the last num_logits tokens (prefill needs 1)
     ) -> torch.Tensor:  # [num_logits or T, vocab] float32
-        num_tokens = tokens.shape[0]
-        start = cache.reserve(num_tokens)
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, head_dim / 2]
-        angles = torch.cat((freqs, freqs), dim=-1)
-        cos = angles.cos().to(self.dtype)  # broadcast against [1, heads, T, head_dim]
-        sin = angles.sin().to(self.dtype)
-        mask = _attention_mask(start, num_tokens, attn_mask)
+        start = cache.reserve(tokens.shape[0])
+        cos, sin = self.rope.lookup(positions)  # [T, 1, head_dim] each
         x = self.model.embed_tokens(tokens)  # [T, hidden]
         for index, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, cache, index, start, mask)
+            x = layer(x, cos, sin, cache, index, start, attn_mask)
         if num_logits is not None:
             x = x[-num_logits:]
-        return self.lm_head(self.model.norm(x)).float()
+        return self.lm_head(self.model.norm(x))
 
 
-def _rope_inverse_frequencies(shape: DecoderShape) -> torch.Tensor:
-    exponents = torch.arange(0, shape.head_dim, 2, dtype=torch.float32) / shape.head_dim
-    return 1.0 / (shape.rope_theta**exponents)  # [head_dim / 2]
+class RopeTable:
+    """cos / sin of every position's rotary angles, computed once per chunk of ROPE_CHUNK
+    positions by the same ops on the same sizes, so a position's values never depend on how
+    many positions a forward holds (elementwise kernels may round a vector tail differently)."""
 
+    ROPE_CHUNK = 1024
 
-def _attention_mask(start: int, num_tokens: int, tree_mask: torch.Tensor | None) -> torch.Tensor | None:
-    """[T, start + T] bool: every new token sees all cached slots, and among the new tokens
-    either the causal order or the given tree mask. One token alone needs no mask."""
-    if tree_mask is None:
-        if num_tokens == 1:
-            return None
-        tree_mask = torch.ones(num_tokens, num_tokens, dtype=torch.bool).tril()
-    prefix = torch.ones(num_tokens, start, dtype=torch.bool)
-    return torch.cat((prefix, tree_mask), dim=1)
+    def __init__(self, shape: DecoderShape) -> None:
+        exponents = torch.arange(0, shape.head_dim, 2, dtype=torch.float32, device="cpu") / shape.head_dim
+        self.inv_freq = 1.0 / (shape.rope_theta**exponents)  # [head_dim / 2]
+        self.cos = torch.empty(0, shape.head_dim, device="cpu")
+        self.sin = torch.empty(0, shape.head_dim, device="cpu")
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [T] -> 2 x [T, 1, head_dim]
+        # One host sync per forward: the table grows before the lookup.
+        while self.cos.shape[0] <= int(positions.max()):
+            first = self.cos.shape[0]
+            freqs = torch.arange(first, first + self.ROPE_CHUNK).float()[:, None] * self.inv_freq[None, :]
+            angles = torch.cat((freqs, freqs), dim=-1)  # [ROPE_CHUNK, head_dim]
+            self.cos = torch.cat((self.cos, angles.cos()))
+            self.sin = torch.cat((self.sin, angles.sin()))
+        return self.cos[positions][:, None], self.sin[positions][:, None]
 
 
 def _layer_index(name: str) -> int:

@@ -18,10 +18,16 @@ from draftwise.errors import ConfigError, ModelLoadError, ModelNotFoundError
 from draftwise.models import registry
 from draftwise.models.base import ModelInfo
 from draftwise.models.hf import HFModel, load_hf_model
-from draftwise.models.linear import check_quantize, prepare_linears
+from draftwise.models.gguf_weights import read_blocks
+from draftwise.models.kernels import native_kernels
+from draftwise.models.linear import WeightFormat, check_quantize
 from draftwise.models.llama import SUPPORTED_ARCHITECTURES, DecoderShape, LlamaModel
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# --dtype: how the native decoder stores weights (activations are always float32).
+# "auto": a GGUF model's blocks as shipped (4-8 bits a weight), any other model in float32.
+DTYPES = {"auto": None, "float32": WeightFormat.F32, "bfloat16": WeightFormat.BF16}
+# The torch dtype transformers loads a model in, for the fallback and the bench's baselines.
+TORCH_DTYPES = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass(slots=True)
@@ -32,10 +38,22 @@ class LoadedModel:
 
 
 def parse_dtype(name: str) -> torch.dtype:
+    """The torch dtype transformers should load a model in for --dtype name."""
     try:
-        return DTYPES[name]
+        return TORCH_DTYPES[name]
     except KeyError:
         raise ConfigError(f"dtype {name!r} is not supported: use one of {', '.join(DTYPES)}.") from None
+
+
+def gguf_source(spec: str) -> Path | None:
+    """The GGUF file spec's weights come from, if any (a packaged model or a local .gguf)."""
+    if spec in registry.PACKAGED_MODELS:
+        return registry.gguf_path(spec) if registry.is_fetched(spec) else None
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return path
+    ggufs = sorted(path.glob("*.gguf")) if path.is_dir() and not _is_hf_folder(path) else []
+    return ggufs[0] if len(ggufs) == 1 else None
 
 
 def resolve(spec: str, auto_fetch: bool = False, progress: bool = True) -> Path:
@@ -71,26 +89,33 @@ def resolve(spec: str, auto_fetch: bool = False, progress: bool = True) -> Path:
     )
 
 
-def load(spec: str, dtype: str = "float32", auto_fetch: bool = False, progress: bool = True,
+def load(spec: str, dtype: str = "auto", auto_fetch: bool = False, progress: bool = True,
          quantize: str | None = None) -> LoadedModel:
-    """Load spec as a native model computing in dtype, with its tokenizer; quantize ("int8" or
-    "int4", bfloat16 only) stores its linear layers' weights in fewer bits. Architectures the
-    native decoder lacks (e.g. Gemma 3) load through transformers instead (models/hf.py)."""
+    """Load spec as a native model with its tokenizer. dtype says how weights are stored
+    ("auto": a GGUF model's own blocks, else float32; "float32"; "bfloat16"); quantize ("int8"
+    or "int4") re-quantizes the float weights into Q8_0 / Q4_1 blocks instead. Activations are
+    float32 either way. Architectures the native decoder lacks (e.g. Gemma 3) load through
+    transformers instead (models/hf.py)."""
     from transformers import AutoConfig, AutoTokenizer
     from safetensors.torch import load_file
 
     torch_dtype = parse_dtype(dtype)
-    check_quantize(quantize, torch_dtype)  # before the slow part
+    check_quantize(quantize)  # before the slow part
+    native_kernels(progress)  # the first load on a machine compiles them: say so
     folder = resolve(spec, auto_fetch=auto_fetch, progress=progress)
+    gguf_file = gguf_source(spec) if dtype == "auto" and quantize is None else None
     with tqdm(total=3, desc=f"loading {spec}", unit="step", disable=not progress, leave=False) as bar:
         config = AutoConfig.from_pretrained(folder)
         if config.model_type not in SUPPORTED_ARCHITECTURES:
             return _load_through_transformers(spec, folder, config, torch_dtype, quantize)
         shape = DecoderShape.from_hf_config(config)
         bar.update()
-        state_dict: dict[str, torch.Tensor] = {}
-        for shard in sorted(folder.glob("*.safetensors")):
-            state_dict.update(load_file(shard))
+        if gguf_file is not None:
+            weights = read_blocks(gguf_file, config.model_type, shape.num_heads, shape.num_kv_heads)
+        else:
+            weights = {}
+            for shard in sorted(folder.glob("*.safetensors")):
+                weights.update(load_file(shard))
         bar.update()
         tokenizer = AutoTokenizer.from_pretrained(folder)
         bar.update()
@@ -100,9 +125,12 @@ def load(spec: str, dtype: str = "float32", auto_fetch: bool = False, progress: 
         max_context=shape.max_context,
         eos_token_ids=_eos_token_ids(config, tokenizer),
     )
-    model = LlamaModel.from_state_dict(shape, info, state_dict, torch_dtype)
-    del state_dict  # from_state_dict copied the weights out of the mapped files: let the mappings go
-    return LoadedModel(prepare_linears(model, torch_dtype, quantize, progress=progress), tokenizer, folder)
+    if gguf_file is not None:
+        model = LlamaModel.from_blocks(shape, info, weights)
+    else:
+        model = LlamaModel.from_state_dict(shape, info, weights, DTYPES[dtype] or WeightFormat.F32, quantize)
+    del weights  # the model copied them out of the mapped files: let the mappings go
+    return LoadedModel(model, tokenizer, folder)
 
 
 def runs_natively(spec: str, progress: bool = True) -> bool:

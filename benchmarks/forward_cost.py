@@ -1,0 +1,68 @@
+"""Forward cost per weight format: ms for one forward of 1 / 2 / 4 / 9 / 16 tokens after a
+300-token prefill (the minimum over rounds), the prefill rate of a long prompt, and peak RSS.
+
+    python benchmarks/forward_cost.py --model qwen2.5-coder-1.5b --dtype auto float32 --threads 2
+
+Run each format in its own process (--dtype takes one value per run, so peak RSS is that
+format's alone) or several in one (their memory adds up)."""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import time
+
+import torch
+
+from draftwise.models import loading
+
+
+def forward_ms(model, num_tokens: int, rounds: int = 4, context: int = 300) -> float:
+    cache = model.new_cache(context + 64)
+    tokens = torch.randint(1000, (context,))
+    model.forward(tokens, torch.arange(context), cache, num_logits=1)
+    best = float("inf")
+    for _ in range(rounds):
+        for _ in range(3):
+            draft = torch.randint(1000, (num_tokens,))
+            tic = time.perf_counter()
+            model.forward(draft, torch.arange(context, context + num_tokens), cache)
+            best = min(best, time.perf_counter() - tic)
+            cache.truncate(context)
+    return best * 1000
+
+
+def prefill_rate(model, num_tokens: int) -> float:
+    cache = model.new_cache(num_tokens)
+    tokens = torch.randint(1000, (num_tokens,))
+    tic = time.perf_counter()
+    model.forward(tokens, torch.arange(num_tokens), cache, num_logits=1)
+    return num_tokens / (time.perf_counter() - tic)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--dtype", nargs="+", default=["auto"])
+    parser.add_argument("--quantize", default=None)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prefill", type=int, default=2048)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    for dtype in args.dtype:
+        tic = time.perf_counter()
+        model = loading.load(args.model, dtype=dtype, quantize=args.quantize, progress=False).model
+        load_s = time.perf_counter() - tic
+        costs = {n: forward_ms(model, n) for n in (1, 2, 4, 9, 16)}
+        one = costs[1]
+        row = " / ".join(f"{costs[n]:.0f}" for n in costs)
+        ratios = " / ".join(f"{costs[n] / one:.2f}x" for n in costs)
+        rate = prefill_rate(model, args.prefill) if args.prefill else float("nan")
+        rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        print(f"{args.model} dtype={dtype} quantize={args.quantize}: load {load_s:.1f} s | forward ms for "
+              f"1/2/4/9/16 tokens: {row} ({ratios}) | prefill {args.prefill} tokens: {rate:.0f} tok/s | "
+              f"peak RSS {rss_mb:.0f} MB", flush=True)
+
+
+if __name__ == "__main__":
+    main()

