@@ -277,6 +277,45 @@ void skinny(const float* x, const uint8_t* w, int64_t format, float* y, int64_t 
 // blocks: per output, the same sequence of fused multiply-adds as block<> above.
 constexpr int64_t TILE_M = 48, TILE_N = 64, TILE_K = 256;
 
+// partial[m][c] (16 lanes each) += x rows m0.. against w rows c0.. over columns k0..k1: up to
+// 6 x rows by 4 weight rows in registers, the same fused multiply-adds as block<>.
+template <int NUM_X, int NUM_W>
+inline void micro(const float* x, const float* w, v16* partial, int64_t K, int64_t k0, int64_t k1, int64_t cols) {
+  v16 acc[NUM_X][NUM_W];
+#pragma GCC unroll 8
+  for (int i = 0; i < NUM_X; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < NUM_W; ++j) acc[i][j] = partial[i * cols + j];
+  for (int64_t k = k0; k < k1; k += 16) {
+    v16 weights[NUM_W];
+#pragma GCC unroll 8
+    for (int j = 0; j < NUM_W; ++j) weights[j] = load16(w + j * K + k);
+#pragma GCC unroll 8
+    for (int i = 0; i < NUM_X; ++i) {
+      const v16 xs = load16(x + i * K + k);
+#pragma GCC unroll 8
+      for (int j = 0; j < NUM_W; ++j) acc[i][j] += xs * weights[j];
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < NUM_X; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < NUM_W; ++j) partial[i * cols + j] = acc[i][j];
+}
+
+template <int NUM_W>
+inline void micro_rows(int64_t num_x, const float* x, const float* w, v16* partial, int64_t K, int64_t k0,
+                       int64_t k1, int64_t cols) {
+  switch (num_x) {
+    case 1: micro<1, NUM_W>(x, w, partial, K, k0, k1, cols); break;
+    case 2: micro<2, NUM_W>(x, w, partial, K, k0, k1, cols); break;
+    case 3: micro<3, NUM_W>(x, w, partial, K, k0, k1, cols); break;
+    case 4: micro<4, NUM_W>(x, w, partial, K, k0, k1, cols); break;
+    case 5: micro<5, NUM_W>(x, w, partial, K, k0, k1, cols); break;
+    default: micro<6, NUM_W>(x, w, partial, K, k0, k1, cols); break;
+  }
+}
+
 void tile_product(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N,
                   int64_t m0, int64_t n0) {
   const int64_t rows = std::min(TILE_M, M - m0), cols = std::min(TILE_N, N - n0);
@@ -287,32 +326,15 @@ void tile_product(const float* x, const float* w, float* y, int64_t M, int64_t K
     const int64_t k1 = std::min(k0 + TILE_K, k_vec);
     for (int64_t c = 0; c < cols; c += ROWS_OF_W) {
       const int64_t num_w = std::min<int64_t>(ROWS_OF_W, cols - c);
-      for (int64_t r = 0; r < rows; r += 2) {
-        const int64_t num_x = std::min<int64_t>(2, rows - r);
-        v16 acc[2][ROWS_OF_W];
-        for (int64_t i = 0; i < num_x; ++i)
-          for (int64_t j = 0; j < num_w; ++j) acc[i][j] = partial[(r + i) * cols + c + j];
-        if (num_x == 2 && num_w == ROWS_OF_W) {  // the common case, fully unrolled
-          const float* x0 = x + (m0 + r) * K;
-          const float* x1 = x0 + K;
-          const float* wc = w + (n0 + c) * K;
-          for (int64_t k = k0; k < k1; k += 16) {
-            const v16 a = load16(x0 + k), b = load16(x1 + k);
-#pragma GCC unroll 4
-            for (int j = 0; j < ROWS_OF_W; ++j) {
-              const v16 weights = load16(wc + j * K + k);
-              acc[0][j] += a * weights;
-              acc[1][j] += b * weights;
-            }
-          }
+      for (int64_t r = 0; r < rows; r += ROWS_OF_X) {
+        const int64_t num_x = std::min<int64_t>(ROWS_OF_X, rows - r);
+        const float* xr = x + (m0 + r) * K;
+        v16* pr = partial + r * cols + c;
+        if (num_w == ROWS_OF_W) {
+          micro_rows<ROWS_OF_W>(num_x, xr, w + (n0 + c) * K, pr, K, k0, k1, cols);
         } else {
-          for (int64_t k = k0; k < k1; k += 16)
-            for (int64_t i = 0; i < num_x; ++i)
-              for (int64_t j = 0; j < num_w; ++j)
-                acc[i][j] += load16(x + (m0 + r + i) * K + k) * load16(w + (n0 + c + j) * K + k);
+          for (int64_t j = 0; j < num_w; ++j) micro_rows<1>(num_x, xr, w + (n0 + c + j) * K, pr + j, K, k0, k1, cols);
         }
-        for (int64_t i = 0; i < num_x; ++i)
-          for (int64_t j = 0; j < num_w; ++j) partial[(r + i) * cols + c + j] = acc[i][j];
       }
     }
   }
