@@ -10,7 +10,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from draftwise.config import SamplingParams
+from draftwise.drafters import ModelDrafter, NgramDrafter
+from draftwise.engine import Engine
 from draftwise.models import loading
+from tests.conftest import PROMPTS
+from tests.test_model_parity import prompt_ids
 
 # weight format name -> load arguments; "auto" runs SmolLM2's GGUF blocks (Q4_1, Q8_0) as shipped
 FORMATS = {"gguf": {"dtype": "auto"}, "float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"},
@@ -76,3 +81,43 @@ def test_logits_do_not_depend_on_what_else_the_forward_holds(model, num_prompt, 
     tree_tokens, depths, mask, chain_nodes = tree_around(tokens[num_prompt:], extra_parents, model.info.vocab_size, seed)
     tree = model.forward(tree_tokens, num_prompt + depths, cache, attn_mask=mask)
     assert torch.equal(tree[chain_nodes], alone[num_prompt:])
+
+
+@pytest.fixture(scope="module")
+def default_target():
+    """SmolLM2 as `draftwise generate` loads it: --dtype auto, its GGUF blocks (Q4_1, Q8_0)."""
+    target = loading.load("smollm2-135m", auto_fetch=True, progress=False)
+    assert target.model.model.layers[0].mlp.down_proj.weight.format.name == "Q4_1"
+    return target
+
+
+GREEDY = SamplingParams(max_new_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def default_plain_outputs(default_target) -> list[list[int]]:
+    return [Engine(default_target).generate(prompt, GREEDY).token_ids for prompt in PROMPTS]
+
+
+# (The float32 tests in test_greedy_equality.py cover k in {1, 3, 5, 8}; the default format
+# computes the float32 path's logits bit for bit on SmolLM2, the last test here.)
+@pytest.mark.parametrize("drafter", ["ngram", "model"])
+@pytest.mark.parametrize("num_draft_tokens", [1, 8])
+def test_greedy_speculation_equals_plain_decoding_in_the_default_format(default_target, default_plain_outputs,
+                                                                        drafter, num_draft_tokens):
+    proposer = NgramDrafter() if drafter == "ngram" else ModelDrafter(default_target.model.truncated(27))
+    engine = Engine(default_target, proposer, num_draft_tokens)
+    results = [engine.generate(prompt, GREEDY) for prompt in PROMPTS]
+    assert [result.token_ids for result in results] == default_plain_outputs
+    assert sum(result.metrics.num_accepted_tokens for result in results) > 0  # speculation really happened
+
+
+def test_the_default_format_computes_the_float32_paths_logits(default_target, smollm2):
+    # SmolLM2's blocks dequantise exactly to the float32 path's weights (gguf-py's arithmetic),
+    # and both run the same kernel arithmetic: the logits are the same bits.
+
+    for prompt in PROMPTS[:4]:
+        ids = prompt_ids(smollm2.tokenizer, prompt)
+        blocks = default_target.model.forward(ids, torch.arange(ids.shape[0]), default_target.model.new_cache(ids.shape[0]))
+        dense = smollm2.model.forward(ids, torch.arange(ids.shape[0]), smollm2.model.new_cache(ids.shape[0]))
+        assert torch.equal(blocks, dense)
