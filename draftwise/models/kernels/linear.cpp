@@ -200,29 +200,43 @@ inline float finish(v16 acc, const float* x, const float* w, int64_t k_vec, int6
   return sum;
 }
 
+// partial[i * cols + j] (16 lanes) += x row i . w row j over columns k0..k1 (multiples of 16),
+// for NUM_X <= 6 x rows and NUM_W <= 4 weight rows held in 24 registers: one fused
+// multiply-add per lane per 16 columns, in column order. Both paths below run every output
+// through this loop, then finish(): they agree bit for bit by construction.
+template <int NUM_X, int NUM_W>
+inline void micro(const float* x, const float* w, v16* partial, int64_t K, int64_t k0, int64_t k1, int64_t cols) {
+  v16 acc[NUM_X][NUM_W];
+#pragma GCC unroll 8
+  for (int i = 0; i < NUM_X; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < NUM_W; ++j) acc[i][j] = partial[i * cols + j];
+  for (int64_t k = k0; k < k1; k += 16) {
+    v16 weights[NUM_W];
+#pragma GCC unroll 8
+    for (int j = 0; j < NUM_W; ++j) weights[j] = load16(w + j * K + k);
+#pragma GCC unroll 8
+    for (int i = 0; i < NUM_X; ++i) {
+      const v16 xs = load16(x + i * K + k);
+#pragma GCC unroll 8
+      for (int j = 0; j < NUM_W; ++j) acc[i][j] += xs * weights[j];
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < NUM_X; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < NUM_W; ++j) partial[i * cols + j] = acc[i][j];
+}
+
 // y[m, r] for m < NUM_X, r < NUM_W over the whole of K: x rows stride K, w rows stride K,
-// y rows stride N.
+// y rows stride N. The partial sums never leave registers (the array is a compile-time shape).
 template <int NUM_X, int NUM_W>
 inline void block(const float* x, const float* w, float* y, int64_t K, int64_t N) {
   const int64_t k_vec = K / 16 * 16;
-  v16 acc[NUM_X][NUM_W];
-#pragma GCC unroll 8
+  v16 partial[NUM_X * NUM_W] = {};
+  micro<NUM_X, NUM_W>(x, w, partial, K, 0, k_vec, NUM_W);
   for (int m = 0; m < NUM_X; ++m)
-#pragma GCC unroll 8
-    for (int r = 0; r < NUM_W; ++r) acc[m][r] = v16{};
-  for (int64_t k = 0; k < k_vec; k += 16) {
-    v16 weights[NUM_W];
-#pragma GCC unroll 8
-    for (int r = 0; r < NUM_W; ++r) weights[r] = load16(w + r * K + k);
-#pragma GCC unroll 8
-    for (int m = 0; m < NUM_X; ++m) {
-      const v16 xs = load16(x + m * K + k);
-#pragma GCC unroll 8
-      for (int r = 0; r < NUM_W; ++r) acc[m][r] += xs * weights[r];
-    }
-  }
-  for (int m = 0; m < NUM_X; ++m)
-    for (int r = 0; r < NUM_W; ++r) y[m * N + r] = finish(acc[m][r], x + m * K, w + r * K, k_vec, K);
+    for (int r = 0; r < NUM_W; ++r) y[m * N + r] = finish(partial[m * NUM_W + r], x + m * K, w + r * K, k_vec, K);
 }
 
 template <int NUM_W>
@@ -276,32 +290,6 @@ void skinny(const float* x, const uint8_t* w, int64_t format, float* y, int64_t 
 // the x and W tiles stay in L2. The 16-lane partial sums are parked in `partial` between K
 // blocks: per output, the same sequence of fused multiply-adds as block<> above.
 constexpr int64_t TILE_M = 48, TILE_N = 64, TILE_K = 256;
-
-// partial[m][c] (16 lanes each) += x rows m0.. against w rows c0.. over columns k0..k1: up to
-// 6 x rows by 4 weight rows in registers, the same fused multiply-adds as block<>.
-template <int NUM_X, int NUM_W>
-inline void micro(const float* x, const float* w, v16* partial, int64_t K, int64_t k0, int64_t k1, int64_t cols) {
-  v16 acc[NUM_X][NUM_W];
-#pragma GCC unroll 8
-  for (int i = 0; i < NUM_X; ++i)
-#pragma GCC unroll 8
-    for (int j = 0; j < NUM_W; ++j) acc[i][j] = partial[i * cols + j];
-  for (int64_t k = k0; k < k1; k += 16) {
-    v16 weights[NUM_W];
-#pragma GCC unroll 8
-    for (int j = 0; j < NUM_W; ++j) weights[j] = load16(w + j * K + k);
-#pragma GCC unroll 8
-    for (int i = 0; i < NUM_X; ++i) {
-      const v16 xs = load16(x + i * K + k);
-#pragma GCC unroll 8
-      for (int j = 0; j < NUM_W; ++j) acc[i][j] += xs * weights[j];
-    }
-  }
-#pragma GCC unroll 8
-  for (int i = 0; i < NUM_X; ++i)
-#pragma GCC unroll 8
-    for (int j = 0; j < NUM_W; ++j) partial[i * cols + j] = acc[i][j];
-}
 
 template <int NUM_W>
 inline void micro_rows(int64_t num_x, const float* x, const float* w, v16* partial, int64_t K, int64_t k0,
