@@ -43,7 +43,7 @@ class BlockWeight(nn.Module):
     def __init__(self, data: torch.Tensor, format: WeightFormat, num_columns: int) -> None:
         super().__init__()
         if format not in NATIVE_FORMATS:  # e.g. Q5_K, IQ4: exact float32 values, 32 bits each
-            data = _raw_bytes(torch.from_numpy(quants.dequantize(data.numpy(), format)).reshape(-1, num_columns))
+            data = _raw_bytes(dequantize(data, format, num_columns))
             format = WeightFormat.F32
         self.format = WeightFormat(format)
         self.num_columns = num_columns
