@@ -4,7 +4,9 @@
     python benchmarks/forward_cost.py --model qwen2.5-coder-1.5b --dtype auto float32 --threads 2
 
 Run each format in its own process (--dtype takes one value per run, so peak RSS is that
-format's alone) or several in one (their memory adds up)."""
+format's alone) or several in one (their memory adds up). --activations int8 times the int8-
+activation kernel; --llama-cpp times llama.cpp (llama-cpp-python) on the model's GGUF file the
+same way instead: the same cache length, token counts and prefill."""
 
 from __future__ import annotations
 
@@ -40,18 +42,50 @@ def prefill_rate(model, num_tokens: int) -> float:
     return num_tokens / (time.perf_counter() - tic)
 
 
+def llama_cpp_costs(model: str, threads: int, prefill: int, rounds: int = 4, context: int = 300) -> None:
+    from llama_cpp import Llama
+
+    from draftwise.models import registry
+
+    llm = Llama(model_path=str(registry.gguf_path(model)), n_threads=threads, n_threads_batch=threads,
+                n_ctx=max(prefill, context + 64), verbose=False)
+    llm.eval(list(range(1000, 1000 + context)))
+    costs = {}
+    for num_tokens in (1, 2, 4, 9, 16):
+        best = float("inf")
+        for _ in range(rounds * 3):
+            llm.n_tokens = context  # drop what the last forward added, as cache.truncate does
+            tic = time.perf_counter()
+            llm.eval(list(range(2000, 2000 + num_tokens)))
+            best = min(best, time.perf_counter() - tic)
+        costs[num_tokens] = best * 1000
+    llm.reset()
+    tic = time.perf_counter()
+    llm.eval([1000 + (7 * i) % 5000 for i in range(prefill)])
+    rate = prefill / (time.perf_counter() - tic)
+    row = " / ".join(f"{costs[n]:.0f}" for n in costs)
+    ratios = " / ".join(f"{costs[n] / costs[1]:.2f}x" for n in costs)
+    print(f"{model} llama.cpp (its GGUF file): forward ms for 1/2/4/9/16 tokens: {row} ({ratios}) | "
+          f"prefill {prefill} tokens: {rate:.0f} tok/s", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="qwen2.5-coder-1.5b")
     parser.add_argument("--dtype", nargs="+", default=["auto"])
     parser.add_argument("--quantize", default=None)
+    parser.add_argument("--activations", default="float32", choices=["float32", "int8"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prefill", type=int, default=2048)
+    parser.add_argument("--llama-cpp", action="store_true", help="time llama.cpp on the GGUF file instead")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.llama_cpp:
+        return llama_cpp_costs(args.model, args.threads, args.prefill)
     for dtype in args.dtype:
         tic = time.perf_counter()
-        model = loading.load(args.model, dtype=dtype, quantize=args.quantize, progress=False).model
+        model = loading.load(args.model, dtype=dtype, quantize=args.quantize, progress=False,
+                             activations=args.activations).model
         load_s = time.perf_counter() - tic
         costs = {n: forward_ms(model, n) for n in (1, 2, 4, 9, 16)}
         one = costs[1]
@@ -59,7 +93,7 @@ def main() -> None:
         ratios = " / ".join(f"{costs[n] / one:.2f}x" for n in costs)
         rate = prefill_rate(model, args.prefill) if args.prefill else float("nan")
         rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        print(f"{args.model} dtype={dtype} quantize={args.quantize}: load {load_s:.1f} s | forward ms for "
+        print(f"{args.model} dtype={dtype} quantize={args.quantize} activations={args.activations}: load {load_s:.1f} s | forward ms for "
               f"1/2/4/9/16 tokens: {row} ({ratios}) | prefill {args.prefill} tokens: {rate:.0f} tok/s | "
               f"peak RSS {rss_mb:.0f} MB", flush=True)
 

@@ -27,6 +27,7 @@ def load(
     draft_length: str = "adaptive",
     cross_vocab_method: str = "auto",
     draft_quantize: str = "auto",
+    activations: str = "float32",
 ) -> Engine:
     """Load a target model (registry name, local path or hub id) and a drafter into an Engine.
 
@@ -36,7 +37,10 @@ def load(
     the measured costs say pays off, "fixed" verifies all of it. dtype says how the target's
     weights are stored: "auto" (a GGUF model's own 4-8-bit blocks, as shipped), "float32" or
     "bfloat16"; quantize ("int8" or "int4") re-quantizes them into Q8_0 / Q4_1 blocks. Every
-    format computes in float32 and is batch-invariant, so speculation never changes the text.
+    format is batch-invariant, so speculation never changes the text. activations="int8" rounds
+    each linear's input to 8 bits per 32 values and multiplies it with the blocks in exact
+    integers: about 2x faster decoding on a GGUF model, logits close to float32 activations
+    (README, "Weight formats").
 
     drafter="cross-vocab" drafts with a model whose tokenizer differs from the target's
     (draftwise.drafters.cross_vocab); cross_vocab_method picks "string" or "intersection"
@@ -48,7 +52,8 @@ def load(
 
     spec = SpecConfig(drafter=drafter, num_draft_tokens=num_draft_tokens, draft_model=draft_model,
                       draft_length=draft_length, cross_vocab_method=cross_vocab_method, draft_quantize=draft_quantize)
-    target = loading.load(model, dtype=dtype, auto_fetch=model == DEFAULT_MODEL, progress=progress, quantize=quantize)
+    target = loading.load(model, dtype=dtype, auto_fetch=model == DEFAULT_MODEL, progress=progress, quantize=quantize,
+                          activations=activations)
     return engine_for(spec, target, build_drafter(spec, target, dtype=dtype, progress=progress))
 
 

@@ -19,7 +19,8 @@ from tests.test_model_parity import prompt_ids
 
 # weight format name -> load arguments; "auto" runs SmolLM2's GGUF blocks (Q4_1, Q8_0) as shipped
 FORMATS = {"gguf": {"dtype": "auto"}, "float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"},
-           "int8": {"dtype": "float32", "quantize": "int8"}, "int4": {"dtype": "float32", "quantize": "int4"}}
+           "int8": {"dtype": "float32", "quantize": "int8"}, "int4": {"dtype": "float32", "quantize": "int4"},
+           "gguf-int8-activations": {"dtype": "auto", "activations": "int8"}}
 
 
 @pytest.fixture(scope="module", params=list(FORMATS))
@@ -121,3 +122,14 @@ def test_the_default_format_computes_the_float32_paths_logits(default_target, sm
         blocks = default_target.model.forward(ids, torch.arange(ids.shape[0]), default_target.model.new_cache(ids.shape[0]))
         dense = smollm2.model.forward(ids, torch.arange(ids.shape[0]), smollm2.model.new_cache(ids.shape[0]))
         assert torch.equal(blocks, dense)
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b"])  # 32-weight blocks; Q4_K, Q6_K, Q5_0
+def test_greedy_speculation_equals_plain_decoding_with_int8_activations(name):
+    target = loading.load(name, auto_fetch=True, progress=False, activations="int8")
+    prompts = PROMPTS if name == "smollm2-135m" else PROMPTS[:4]
+    plain = [Engine(target).generate(prompt, GREEDY).token_ids for prompt in prompts]
+    engine = Engine(target, NgramDrafter(), 8)
+    results = [engine.generate(prompt, GREEDY) for prompt in prompts]
+    assert [result.token_ids for result in results] == plain
+    assert sum(result.metrics.num_accepted_tokens for result in results) > 0

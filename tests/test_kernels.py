@@ -90,6 +90,65 @@ def test_blocks_and_their_dequantised_float32_give_the_same_product(kernels):
     assert torch.equal(blocks.matmul(x), dense.matmul(x))
 
 
+INT8_CASES = [(WeightFormat.Q4_1, real_blocks), (WeightFormat.Q8_0, real_blocks), (WeightFormat.Q5_0, real_blocks),
+              (WeightFormat.Q4_K, real_blocks), (WeightFormat.Q6_K, real_blocks), (WeightFormat.Q4_0, synthetic_blocks),
+              (WeightFormat.Q5_1, synthetic_blocks)]
+
+
+def rounded_to_int8(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x with each block of columns rounded to 8 bits (scale amax / 127), as int8_linear does."""
+    blocks = x.reshape(x.shape[0], -1, block)
+    top = blocks.abs().amax(-1, keepdim=True)
+    # 127 / amax, correctly rounded to float32 as the kernel divides (torch's scalar-by-tensor
+    # division multiplies by a reciprocal, one ulp off at times: enough to flip a tie)
+    inverse = torch.where(top > 0, (127 / top.double().clamp_min(1e-30)).float(), torch.zeros_like(top))
+    return ((blocks * inverse).round().clamp(-127, 127) * (top / 127)).reshape(x.shape)
+
+
+@pytest.mark.parametrize("format, make", INT8_CASES, ids=[format.name for format, _ in INT8_CASES])
+def test_int8_activations_compute_the_blocks_times_the_rounded_input(kernels, format, make):
+    data, num_columns = make(format)
+    weight = BlockWeight(data, format, num_columns)
+    dense = weight.rows(torch.arange(weight.num_rows)).double()
+    torch.manual_seed(int(format))
+    x = torch.randn(40, num_columns) * 3
+    block = 256 if format in (WeightFormat.Q4_K, WeightFormat.Q6_K) else 32
+    reference = rounded_to_int8(x, block).double() @ dense.T
+    unrounded = x.double() @ dense.T
+    for rows in (1, 9, 40):  # the decode kernel (weights unpacked in registers) and the prefill one
+        got = kernels.int8_linear(x[:rows], data, int(format), num_columns).double()
+        # exact integer dot products: only float32 rounding of the scales and the sums is left
+        assert (got - reference[:rows]).abs().max() < 1e-5 * reference.abs().max()
+        # and the rounding of x is what separates it from float32 activations (~1% here)
+        assert (got - unrounded[:rows]).abs().max() < 0.05 * unrounded.abs().max()
+
+
+@pytest.mark.parametrize("format", [WeightFormat.Q4_K, WeightFormat.Q6_K, WeightFormat.Q4_1, WeightFormat.Q8_0])
+def test_int8_rows_are_bit_identical_whatever_rows_are_beside_them(kernels, format):
+    data, num_columns = real_blocks(format)
+    weight = BlockWeight(data, format, num_columns)
+    weight.int8_activations = True
+    torch.manual_seed(1)
+    x = torch.randn(80, num_columns)
+    alone = torch.cat([weight.matmul(x[i:i + 1]) for i in range(80)])
+    for group in (3, 9, 10, 16, 17, 80):  # 9 rows per register pass, 16 the most in registers
+        together = torch.cat([weight.matmul(x[i:i + group]) for i in range(0, 80, group)])
+        assert torch.equal(together, alone), f"rows differ when computed {group} at a time"
+
+
+def test_int8_activations_need_block_weights(kernels):
+    from draftwise.errors import ConfigError
+    from draftwise.models.linear import use_activations
+
+    float_layer = BlockLinear(BlockWeight.from_float(torch.randn(8, 64), WeightFormat.F32))
+    with pytest.raises(ConfigError, match="--quantize int8"):
+        use_activations(float_layer, "int8")
+    with pytest.raises(ConfigError, match="use one of float32, int8"):
+        use_activations(float_layer, "int4")
+    with pytest.raises(RuntimeError, match="no int8 path"):
+        kernels.int8_linear(torch.randn(2, 64), float_layer.weight.data, int(WeightFormat.F32), 64)
+
+
 def test_attention_matches_sdpa_and_is_row_invariant(kernels):
     torch.manual_seed(0)
     heads, kv_heads, head_dim, start, num_new = 9, 3, 64, 50, 7

@@ -19,7 +19,7 @@ from draftwise.drafters import DRAFTERS, build_drafter
 from draftwise.engine import Engine
 from draftwise.errors import ConfigError
 from draftwise.models import loading, registry
-from draftwise.models.linear import check_quantize
+from draftwise.models.linear import check_activations, check_quantize
 from draftwise.models.loading import LoadedModel
 
 PLAIN = "draftwise plain"  # float weights, plain greedy: the reference of every float-weight method
@@ -43,6 +43,7 @@ class BenchConfig:
     with_transformers: bool = True
     with_llama_cpp: bool = True  # when llama-cpp-python is installed and the model has a GGUF file
     quantize: tuple[str, ...] = ()  # extra rows: draftwise plain and ngram with these weight formats
+    activation_rows: tuple[str, ...] = ()  # extra rows: plain, ngram and model on the same weights, these activations
     threads: int | None = None  # None: torch's current setting
     cross_vocab_draft: str | None = None  # a draft model with another tokenizer (cross-vocab rows, transformers UAG)
     cross_vocab_methods: tuple[str, ...] = ("auto",)  # a cross-vocab row per method
@@ -53,6 +54,8 @@ class BenchConfig:
             raise ConfigError(f"repeats={self.repeats}, max_new_tokens={self.max_new_tokens}: both must be at least 1.")
         for name in self.quantize:
             check_quantize(name)
+        for name in self.activation_rows:
+            check_activations(name)
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"threads={self.threads}: give at least 1.")
         unknown = [name for name in self.drafters or () if name not in DRAFTERS]
@@ -70,6 +73,10 @@ def build_methods(config: BenchConfig, progress: bool = True) -> tuple[list[Meth
     target = loading.load(config.model, dtype=config.dtype, auto_fetch=True, progress=progress)
     skipped: list[str] = []
     methods = _draftwise_methods(target, config, "", list(config.drafters or DRAFTERS), skipped, progress)
+    for activations in config.activation_rows:
+        rounded = loading.load(config.model, dtype=config.dtype, progress=progress, activations=activations)
+        names = [name for name in ("none", "ngram", "model") if name in (config.drafters or DRAFTERS) or name == "none"]
+        methods += _draftwise_methods(rounded, config, f"{activations}-act ", names, skipped, progress)
     for quantize in config.quantize:
         quantized = loading.load(config.model, dtype="float32", quantize=quantize, progress=progress)
         methods += _draftwise_methods(quantized, config, f"{quantize} ", ["none", "ngram"], skipped, progress)

@@ -10,6 +10,12 @@ result never depends on the rows beside it (batch invariance, kernels/vec.h).
 `--quantize int8|int4` re-quantizes float weights into Q8_0 / Q4_1 blocks (32 weights, one
 float16 scale, plus a float16 minimum for Q4_1): the same kernel, the same invariance.
 
+`--activations int8` rounds each row of a linear's input to 8 bits per 32 columns (one float
+scale each) and multiplies it against the blocks with exact integer dot products
+(kernels/int8_linear.cpp): several times faster for a decode step, still batch-invariant, and
+close to float32 activations (`ACTIVATION_CLOSENESS`). Float-format weights (F32, F16, BF16)
+keep float32 activations.
+
 Without the compiled kernels (no compiler), weights are dequantised to float32 at load and run
 through F.linear: the same values, more memory, and no batch-invariance guarantee.
 """
@@ -35,6 +41,11 @@ INT4_KEEP_INT8 = ("lm_head",)
 NATIVE_FORMATS = frozenset({WeightFormat.F32, WeightFormat.F16, WeightFormat.BF16, WeightFormat.Q4_0,
                             WeightFormat.Q4_1, WeightFormat.Q5_0, WeightFormat.Q5_1, WeightFormat.Q8_0,
                             WeightFormat.Q4_K, WeightFormat.Q6_K})
+# --activations: what a linear's input is rounded to before it meets the weights.
+ACTIVATIONS = ("float32", "int8")
+# Block formats with an int8-activation path; the others keep float32 activations.
+INT8_FORMATS = frozenset({WeightFormat.Q4_0, WeightFormat.Q4_1, WeightFormat.Q5_0, WeightFormat.Q5_1,
+                          WeightFormat.Q8_0, WeightFormat.Q4_K, WeightFormat.Q6_K})
 
 
 class BlockWeight(nn.Module):
@@ -48,6 +59,7 @@ class BlockWeight(nn.Module):
         self.format = WeightFormat(format)
         self.num_columns = num_columns
         self.kernels = native_kernels(progress=False)
+        self.int8_activations = False  # set by use_activations()
         if self.kernels is None:  # PyTorch ops need float32 values
             self.register_buffer("data", torch.empty(0, dtype=torch.uint8), persistent=False)
             self.register_buffer("dense", dequantize(data, format, num_columns), persistent=False)
@@ -83,10 +95,11 @@ class BlockWeight(nn.Module):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:  # x [T, num_columns] float32 -> [T, num_rows]
         if self.kernels is None:
             return F.linear(x, self.dense)
-        return self.kernels.blocked_linear(x.contiguous(), self.data, int(self.format), self.num_columns)
+        product = self.kernels.int8_linear if self.int8_activations else self.kernels.blocked_linear
+        return product(x.contiguous(), self.data, int(self.format), self.num_columns)
 
     def extra_repr(self) -> str:
-        return f"{self.num_rows}x{self.num_columns}, {self.format.name}"
+        return f"{self.num_rows}x{self.num_columns}, {self.format.name}" + (", int8 activations" if self.int8_activations else "")
 
 
 class BlockLinear(nn.Module):
@@ -156,6 +169,30 @@ def store_weights(module: nn.Module, format: WeightFormat, quantize: str | None 
                 replace(child)
 
     replace(module)
+    return module
+
+
+def check_activations(activations: str) -> None:
+    if activations not in ACTIVATIONS:
+        raise ConfigError(f"activations={activations!r} is not supported: use one of {', '.join(ACTIVATIONS)}.")
+
+
+def use_activations(module: nn.Module, activations: str) -> nn.Module:
+    """Make every block-format linear under module round its input to `activations` ("float32"
+    or "int8"); returns module. int8 needs the compiled kernels and block-format weights
+    (a GGUF file's own, or --quantize int8/int4): anything else is a ConfigError naming the fix."""
+    check_activations(activations)
+    weights = [m for m in module.modules() if isinstance(m, BlockWeight)]
+    if activations == "int8":
+        if not weights or weights[0].kernels is None:
+            raise ConfigError("activations='int8' needs draftwise's compiled kernels and the native decoder; "
+                              "drop --activations int8 (see the kernels' warning for how to build them).")
+        if not any(w.format in INT8_FORMATS for w in weights):
+            raise ConfigError("activations='int8' multiplies 8-bit activations with quantized blocks, and this "
+                              "model's weights are all float: use --dtype auto on a GGUF model, or add --quantize "
+                              "int8 / int4.")
+    for weight in weights:
+        weight.int8_activations = activations == "int8" and weight.format in INT8_FORMATS
     return module
 
 

@@ -20,7 +20,7 @@ from draftwise.models.base import ModelInfo
 from draftwise.models.hf import HFModel, load_hf_model
 from draftwise.models.gguf_weights import read_blocks
 from draftwise.models.kernels import native_kernels
-from draftwise.models.linear import WeightFormat, check_quantize
+from draftwise.models.linear import WeightFormat, check_activations, check_quantize, use_activations
 from draftwise.models.llama import SUPPORTED_ARCHITECTURES, DecoderShape, LlamaModel
 
 # --dtype: how the native decoder stores weights (activations are always float32).
@@ -90,23 +90,28 @@ def resolve(spec: str, auto_fetch: bool = False, progress: bool = True) -> Path:
 
 
 def load(spec: str, dtype: str = "auto", auto_fetch: bool = False, progress: bool = True,
-         quantize: str | None = None) -> LoadedModel:
+         quantize: str | None = None, activations: str = "float32") -> LoadedModel:
     """Load spec as a native model with its tokenizer. dtype says how weights are stored
     ("auto": a GGUF model's own blocks, else float32; "float32"; "bfloat16"); quantize ("int8"
-    or "int4") re-quantizes the float weights into Q8_0 / Q4_1 blocks instead. Activations are
-    float32 either way. Architectures the native decoder lacks (e.g. Gemma 3) load through
+    or "int4") re-quantizes the float weights into Q8_0 / Q4_1 blocks instead. activations:
+    "float32", or "int8" (each linear's input rounded to 8 bits per 32 values, integer dot
+    products against the blocks: faster, close to float32; models/linear.py). Architectures the native decoder lacks (e.g. Gemma 3) load through
     transformers instead (models/hf.py)."""
     from transformers import AutoConfig, AutoTokenizer
     from safetensors.torch import load_file
 
     torch_dtype = parse_dtype(dtype)
     check_quantize(quantize)  # before the slow part
+    check_activations(activations)
     native_kernels(progress)  # the first load on a machine compiles them: say so
     folder = resolve(spec, auto_fetch=auto_fetch, progress=progress)
     gguf_file = gguf_source(spec) if dtype == "auto" and quantize is None else None
     with tqdm(total=3, desc=f"loading {spec}", unit="step", disable=not progress, leave=False) as bar:
         config = AutoConfig.from_pretrained(folder)
         if config.model_type not in SUPPORTED_ARCHITECTURES:
+            if activations != "float32":
+                raise ConfigError(f"--activations {activations} needs the native decoder, which does not implement "
+                                  f"{config.model_type!r} ({spec} loads through transformers): drop --activations.")
             return _load_through_transformers(spec, folder, config, torch_dtype, quantize)
         shape = DecoderShape.from_hf_config(config)
         bar.update()
@@ -129,6 +134,7 @@ def load(spec: str, dtype: str = "auto", auto_fetch: bool = False, progress: boo
         model = LlamaModel.from_blocks(shape, info, weights)
     else:
         model = LlamaModel.from_state_dict(shape, info, weights, DTYPES[dtype] or WeightFormat.F32, quantize)
+    use_activations(model, activations)
     del weights  # the model copied them out of the mapped files: let the mappings go
     return LoadedModel(model, tokenizer, folder)
 

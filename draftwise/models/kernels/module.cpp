@@ -3,6 +3,7 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("blocked_linear", &draftwise::blocked_linear, "x [M, K] float32 @ W.T, W in a GGUF block format");
+  m.def("int8_linear", &draftwise::int8_linear, "x [M, K] rounded to int8 @ W.T, W in a GGUF block format");
   m.def("dequantize_rows", &draftwise::dequantize_rows, "rows of a blocked weight as float32");
   m.def("rms_norm", &draftwise::rms_norm, "RMSNorm, row by row");
   m.def("silu_mul", &draftwise::silu_mul, "silu(gate) * up");

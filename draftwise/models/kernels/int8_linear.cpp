@@ -1,0 +1,590 @@
+// y = x @ W.T on int8 activations: each row of x rounded to 8 bits per 32 columns, then exact
+// integer dot products against GGUF's quantized blocks (AVX-512 VNNI where the CPU has it).
+//
+// Why: with float32 activations every 4-bit weight must become a float before it is multiplied
+// (several instructions per weight); with 8-bit activations one VNNI instruction multiplies and
+// adds 64 byte pairs, so a decode step runs at the speed the weights' bytes arrive, as llama.cpp
+// does. The price is rounding x: the result is dot(W, round8(x)) where round8 keeps 8 bits per
+// 32 values (one float scale per block, amax / 127), not dot(W, x). linear.py states how close.
+//
+// Two layouts, one per family of formats (both in the file's own column order):
+//
+// 32-weight blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0). A weight row is unpacked into
+//   u      [K] unsigned bytes, the block's quantized values (Q8_0's int8 values + 128),
+//   scale  [K/4] floats, one per 4 columns (a lane of the dot product below): the block's scale,
+//   coef   [K/16] floats, one per 16 columns: w = scale * u + coef (min, or -offset * scale),
+// an activation row (rounded per 32 columns) into q [K] int8, scale [K/4] floats (d per lane),
+// sum [K/16] floats (d * the sum of q over each 16 columns), and
+//   dot(w, round8(x)) = sum over 64-column chunks of float(P) * (w.scale * x.scale)
+//                       + sum over 16-column groups of w.coef * x.sum,
+// where P (16 int32 lanes, 4 byte products each) is exact.
+//
+// 256-weight super-blocks (Q4_K, Q6_K: a Q4_K_M file's weights). Each super-block has one float
+// scale d and small integer scales per 32 (Q4_K) or 16 (Q6_K) columns, so with activations
+// rounded per 256 columns (one scale dx) a super-block's whole dot product is one exact integer
+// I = sum of sub-scale * (u . q), computed 64 columns at a time by a byte multiply into int16
+// pairs and an int16 multiply-add by the sub-scales into int32 lanes. Then
+//   dot(w, round8(x)) = sum over super-blocks of float(I) * (d * dx)
+//                       + sum over 16-column groups of w.coef * x.sum   (Q4_K's mins, Q6_K's -32).
+// One float multiply-add per 256 columns instead of one per 64: a verify step of 9 rows costs
+// little more than the bytes of the weights.
+//
+// Batch invariance: y[m, n] is that arithmetic in that order (16-lane float accumulator in
+// column order, one fixed horizontal sum, then the coefficient sum), whatever the number of
+// rows of x and however threads split the work. The integer parts are exact, so every
+// instruction set below (AVX-512 VNNI, AVX-512BW, portable C++) computes the same integers.
+#include "kernels.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <type_traits>
+#include <vector>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace draftwise {
+namespace {
+
+constexpr int64_t CHUNK = 64;  // columns per integer step: 16 int32 lanes x 4 bytes
+constexpr int64_t SUPER = 256;  // columns of a K-quant super-block
+
+enum Format : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
+
+inline bool is_kquant(int64_t format) { return format == Q4_K || format == Q6_K; }
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+inline int64_t padded(int64_t K) { return (K + CHUNK - 1) / CHUNK * CHUNK; }
+
+// 16 bytes -> their low nibbles into low[0..15], their high nibbles into high[0..15].
+inline void nibbles(const uint8_t* in, uint8_t* low, uint8_t* high) {
+#if defined(__SSE2__)
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in));
+  const __m128i mask = _mm_set1_epi8(15);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(low), _mm_and_si128(v, mask));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(high), _mm_and_si128(_mm_srli_epi16(v, 4), mask));
+#else
+  for (int i = 0; i < 16; ++i) {
+    low[i] = in[i] & 15;
+    high[i] = in[i] >> 4;
+  }
+#endif
+}
+
+// Q6_K: 64 low-nibble bytes and 32 two-bit bytes -> 128 six-bit values in column order:
+// value l + 32 s (s = 0..3) = nibble (s / 2) of ql[l + 32 (s % 2)] | bits (2 s) of qh[l] << 4.
+inline void six_bits(const uint8_t* ql, const uint8_t* qh, uint8_t* out) {
+#if defined(__SSE2__)
+  const __m128i low_mask = _mm_set1_epi8(15), high_mask = _mm_set1_epi8(0x30);
+  for (int l = 0; l < 32; l += 16) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ql + l));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ql + 32 + l));
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qh + l));
+    const __m128i values[4] = {
+        _mm_or_si128(_mm_and_si128(a, low_mask), _mm_and_si128(_mm_slli_epi16(h, 4), high_mask)),
+        _mm_or_si128(_mm_and_si128(b, low_mask), _mm_and_si128(_mm_slli_epi16(h, 2), high_mask)),
+        _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a, 4), low_mask), _mm_and_si128(h, high_mask)),
+        _mm_or_si128(_mm_and_si128(_mm_srli_epi16(b, 4), low_mask), _mm_and_si128(_mm_srli_epi16(h, 2), high_mask))};
+    for (int s = 0; s < 4; ++s) _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 32 * s + l), values[s]);
+  }
+#else
+  for (int s = 0; s < 4; ++s)
+    for (int l = 0; l < 32; ++l)
+      out[32 * s + l] = uint8_t(((ql[l + 32 * (s % 2)] >> (4 * (s / 2))) & 15) | ((qh[l] >> (2 * s)) & 3) << 4);
+#endif
+}
+
+template <typename T>
+inline void fill(T* out, int count, T value) {
+  for (int i = 0; i < count; ++i) out[i] = value;
+}
+
+// ---- activations ----------------------------------------------------------------------------
+
+// One row of K activations -> q [K] int8 = round(x / d) per block of `block` columns
+// (d = amax / 127), d per block into scale [K / block], d * (sum of q) per 16 columns into
+// sum [K/16].
+void round_row(const float* x, int64_t K, int64_t block, int8_t* q, float* scale, float* sum) {
+  const v16 limit = v16{} + 127.0f;
+  for (int64_t b = 0; b < K / block; ++b, x += block, q += block, sum += block / 16) {
+    v16 amax = {};
+    for (int64_t k = 0; k < block; k += 16) {
+      const v16 v = load16(x + k);
+      const v16 magnitude = v < 0 ? -v : v;
+      amax = magnitude > amax ? magnitude : amax;
+    }
+    float top = 0.0f;
+    for (int i = 0; i < 16; ++i) top = std::max(top, amax[i]);
+    const float d = top / 127.0f, inverse = top > 0.0f ? 127.0f / top : 0.0f;
+    scale[b] = d;
+    for (int64_t k = 0; k < block; k += 16) {
+      // x / d rounded to float32, then to the nearest integer (ties to even): no fused
+      // multiply-add here, so the rounding is that of the float32 quotient (what numpy or torch
+      // computes as round(x * (127 / amax))).
+      const v16 product = load16(x + k) * inverse;
+      v16 r;
+      for (int i = 0; i < 16; ++i) r[i] = __builtin_rintf(product[i]);
+      r = r > limit ? limit : r;
+      r = r < -limit ? -limit : r;
+      const vi16 values = __builtin_convertvector(r, vi16);
+      int total = 0;
+      for (int i = 0; i < 16; ++i) {
+        q[k + i] = int8_t(values[i]);
+        total += values[i];
+      }
+      sum[k / 16] = d * float(total);
+    }
+  }
+}
+
+struct Activations {  // M rounded rows of Kp columns
+  std::vector<int8_t> q;
+  std::vector<float> scale;  // per block (K-quants) or per 4 columns (32-weight blocks)
+  std::vector<float> sum;    // per 16 columns
+};
+
+// Every row of x rounded once; zeros pad K up to Kp (they add exact zeros).
+Activations round_rows(const float* x, int64_t M, int64_t K, int64_t Kp, int64_t block) {
+  Activations a{std::vector<int8_t>(M * Kp, 0), std::vector<float>(M * Kp / 4, 0.0f),
+                std::vector<float>(M * Kp / 16, 0.0f)};
+  at::parallel_for(0, M, 64, [&](int64_t m0, int64_t m1) {
+    std::vector<float> per_block(K / block);
+    for (int64_t m = m0; m < m1; ++m) {
+      round_row(x + m * K, K, block, a.q.data() + m * Kp, per_block.data(), a.sum.data() + m * Kp / 16);
+      if (block == SUPER) {
+        std::copy(per_block.begin(), per_block.end(), a.scale.data() + m * (Kp / SUPER));
+      } else {  // one scale per int32 lane of the 32-weight-block product
+        for (int64_t b = 0; b < K / block; ++b) fill(a.scale.data() + m * Kp / 4 + b * 8, 8, per_block[b]);
+      }
+    }
+  });
+  return a;
+}
+
+inline float coefficient_sum(const float* coef, const float* sum, int64_t groups) {
+  v16 acc = {};
+  int64_t g = 0;
+  for (; g + 16 <= groups; g += 16) acc += load16(coef + g) * load16(sum + g);
+  float total = horizontal_sum(acc);
+  for (; g < groups; ++g) total = __builtin_fmaf(coef[g], sum[g], total);
+  return total;
+}
+
+template <typename T>
+T* thread_scratch(int64_t count) {
+  static thread_local std::vector<T> buffer;
+  if (int64_t(buffer.size()) < count) buffer.resize(count);
+  return buffer.data();
+}
+
+// ---- 32-weight blocks -----------------------------------------------------------------------
+
+// One weight row of K columns -> u [K], scale [K/4], coef [K/16] (see the top of the file).
+void unpack_block32_row(int64_t format, const uint8_t* row, int64_t K, uint8_t* u, float* scale, float* coef) {
+  const bool with_min = format == Q4_1 || format == Q5_1, five_bits = format == Q5_0 || format == Q5_1;
+  const int64_t bytes = format == Q8_0 ? 34 : (with_min ? 20 : 18) + (five_bits ? 4 : 0);
+  for (int64_t b = 0; b < K / 32; ++b, row += bytes, u += 32, scale += 8, coef += 2) {
+    const float d = half_at(row);
+    fill(scale, 8, d);
+    if (format == Q8_0) {
+      for (int i = 0; i < 32; ++i) u[i] = row[2 + i] ^ 128;  // int8 v -> v + 128
+      fill(coef, 2, -128.0f * d);
+      continue;
+    }
+    nibbles(row + (with_min ? 4 : 2) + (five_bits ? 4 : 0), u, u + 16);
+    if (five_bits) {
+      uint32_t high;
+      std::memcpy(&high, row + (with_min ? 4 : 2), 4);
+      for (int i = 0; i < 32; ++i) u[i] |= ((high >> i) & 1) << 4;
+    }
+    fill(coef, 2, with_min ? half_at(row + 2) : -float(five_bits ? 16 : 8) * d);
+  }
+}
+
+// 16 lanes of 4 byte products each, exact: lane i = sum_j u[4i + j] * q[4i + j].
+inline vi16 dot_lanes(const uint8_t* u, const int8_t* q) {
+  vi16 out;
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+  const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(u), _mm512_loadu_si512(q));
+  std::memcpy(&out, &p, sizeof out);
+#else
+  for (int i = 0; i < 16; ++i) {
+    int32_t lane = 0;
+    for (int j = 0; j < 4; ++j) lane += int32_t(u[4 * i + j]) * int32_t(q[4 * i + j]);
+    out[i] = lane;
+  }
+#endif
+  return out;
+}
+
+struct Block32Rows {  // unpacked weight rows (u, scale, coef) or rounded activations (q, scale, sum)
+  const uint8_t* bytes;
+  const float* scale;
+  const float* extra;
+};
+
+template <int NUM_X, int NUM_W>
+inline void block32_micro(Block32Rows x, Block32Rows w, float* y, int64_t Kp, int64_t N) {
+  v16 acc[NUM_X][NUM_W] = {};
+  for (int64_t k = 0; k < Kp; k += CHUNK) {
+#pragma GCC unroll 16
+    for (int i = 0; i < NUM_X; ++i) {
+      const int8_t* q = reinterpret_cast<const int8_t*>(x.bytes) + i * Kp + k;
+      const v16 x_scale = load16(x.scale + i * (Kp / 4) + k / 4);
+#pragma GCC unroll 16
+      for (int j = 0; j < NUM_W; ++j) {
+        const vi16 p = dot_lanes(w.bytes + j * Kp + k, q);
+        acc[i][j] += __builtin_convertvector(p, v16) * (load16(w.scale + j * (Kp / 4) + k / 4) * x_scale);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < NUM_X; ++i)
+#pragma GCC unroll 16
+    for (int j = 0; j < NUM_W; ++j)
+      y[i * N + j] = horizontal_sum(acc[i][j]) +
+                     coefficient_sum(w.extra + j * (Kp / 16), x.extra + i * (Kp / 16), Kp / 16);
+}
+
+// ---- 256-weight super-blocks (K-quants) -----------------------------------------------------
+
+// Q4_K's 12 scale bytes -> 8 six-bit scales (bytes 0..7 of out) and 8 six-bit mins (8..15):
+// scale j < 4 is the low 6 bits of byte j, min j < 4 those of byte j + 4; for j >= 4 the low
+// 4 bits come from byte j + 4 (scale: low nibble, min: high nibble) and the top 2 bits from
+// the top of byte j - 4 (scale) or byte j (min). Done on 32-bit words, 4 values at a time.
+inline void q4k_scales(const uint8_t* packed, uint8_t* out) {
+  uint32_t w[3], o[4];
+  std::memcpy(w, packed, 12);
+  const uint32_t six = 0x3f3f3f3f, four = 0x0f0f0f0f, two = 0x03030303;
+  o[0] = w[0] & six;                                      // scales 0..3
+  o[1] = (w[2] & four) | (((w[0] >> 6) & two) << 4);     // scales 4..7
+  o[2] = w[1] & six;                                      // mins 0..3
+  o[3] = ((w[2] >> 4) & four) | (((w[1] >> 6) & two) << 4);  // mins 4..7
+  std::memcpy(out, o, 16);
+}
+
+// One weight row -> u [K] bytes, sub-scales [K/2] int16 (one per byte pair, the int16 lanes
+// of the product), d [K/256], coef [K/16] (see the top of the file).
+void unpack_kquant_row(int64_t format, const uint8_t* row, int64_t K, uint8_t* u, int16_t* sub, float* d,
+                       float* coef) {
+  for (int64_t b = 0; b < K / SUPER; ++b, u += SUPER, sub += SUPER / 2, coef += SUPER / 16) {
+    if (format == Q4_K) {
+      const float dmin = half_at(row + 2);
+      d[b] = half_at(row);
+      const uint8_t* sc = row + 4;  // 8 six-bit scales and 8 six-bit mins
+      const uint8_t* qs = row + 16;
+      for (int pair = 0; pair < 4; ++pair) {  // 32 bytes: sub-block 2p in low nibbles, 2p+1 in high
+        nibbles(qs + 32 * pair, u + 64 * pair, u + 64 * pair + 32);
+        nibbles(qs + 32 * pair + 16, u + 64 * pair + 16, u + 64 * pair + 48);
+      }
+      uint8_t scales[16];
+      q4k_scales(sc, scales);
+      for (int j = 0; j < 8; ++j) {
+        fill<int16_t>(sub + 16 * j, 16, int16_t(scales[j]));
+        fill(coef + 2 * j, 2, -dmin * float(scales[8 + j]));
+      }
+      row += 144;
+    } else {  // Q6_K
+      const int8_t* sc = reinterpret_cast<const int8_t*>(row + 192);
+      d[b] = half_at(row + 208);
+      six_bits(row, row + 128, u);
+      six_bits(row + 64, row + 160, u + 128);
+      for (int g = 0; g < 16; ++g) {
+        fill<int16_t>(sub + 8 * g, 8, int16_t(sc[g]));
+        coef[g] = -32.0f * d[b] * float(sc[g]);
+      }
+      row += 210;
+    }
+  }
+}
+
+// acc lanes += sub-scaled byte products, exact: int16 pair p = u[2p] q[2p] + u[2p+1] q[2p+1]
+// (at most 2 * 63 * 127: no saturation), lane i += pair(2i) * sub[2i] + pair(2i+1) * sub[2i+1].
+inline vi16 scaled_dot(vi16 acc, const uint8_t* u, const int8_t* q, const int16_t* sub) {
+#if defined(__AVX512BW__)
+  __m512i a;
+  std::memcpy(&a, &acc, sizeof a);
+  const __m512i pairs = _mm512_maddubs_epi16(_mm512_loadu_si512(u), _mm512_loadu_si512(q));
+#if defined(__AVX512VNNI__)
+  a = _mm512_dpwssd_epi32(a, pairs, _mm512_loadu_si512(sub));
+#else
+  a = _mm512_add_epi32(a, _mm512_madd_epi16(pairs, _mm512_loadu_si512(sub)));
+#endif
+  std::memcpy(&acc, &a, sizeof a);
+#else
+  for (int i = 0; i < 16; ++i) {
+    int32_t lane = 0;
+    for (int t = 0; t < 2; ++t) {
+      const int p = 2 * i + t;
+      lane += (int32_t(u[2 * p]) * q[2 * p] + int32_t(u[2 * p + 1]) * q[2 * p + 1]) * int32_t(sub[p]);
+    }
+    acc[i] += lane;
+  }
+#endif
+  return acc;
+}
+
+struct KquantRows {  // unpacked weight rows
+  const uint8_t* u;
+  const int16_t* sub;
+  const float* d;
+  const float* coef;
+};
+struct RoundedRows {  // activation rows rounded per super-block
+  const int8_t* q;
+  const float* d;
+  const float* sum;
+};
+
+template <int NUM_X, int NUM_W>
+inline void kquant_micro(RoundedRows x, KquantRows w, float* y, int64_t K, int64_t N) {
+  const int64_t blocks = K / SUPER;
+  v16 acc[NUM_X][NUM_W] = {};
+  for (int64_t b = 0; b < blocks; ++b) {
+    vi16 total[NUM_X][NUM_W] = {};
+    for (int64_t k = b * SUPER; k < (b + 1) * SUPER; k += CHUNK) {
+#pragma GCC unroll 16
+      for (int i = 0; i < NUM_X; ++i)
+#pragma GCC unroll 16
+        for (int j = 0; j < NUM_W; ++j)
+          total[i][j] = scaled_dot(total[i][j], w.u + j * K + k, x.q + i * K + k, w.sub + j * (K / 2) + k / 2);
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < NUM_X; ++i)
+#pragma GCC unroll 16
+      for (int j = 0; j < NUM_W; ++j)
+        acc[i][j] += __builtin_convertvector(total[i][j], v16) * (w.d[j * blocks + b] * x.d[i * blocks + b]);
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < NUM_X; ++i)
+#pragma GCC unroll 16
+    for (int j = 0; j < NUM_W; ++j)
+      y[i * N + j] = horizontal_sum(acc[i][j]) + coefficient_sum(w.coef + j * (K / 16), x.sum + i * (K / 16), K / 16);
+}
+
+#if defined(__AVX512BW__)
+// The same product for a few rows of x (a decode or verify step), with the weights unpacked in
+// registers as they are read: no scratch round trip, and each chunk of weight bytes meets every
+// row of x while it is in a register. Integer for integer and float for float the arithmetic
+// of kquant_micro, so the two agree bit for bit (and the tests check it).
+template <int NUM_X, int NUM_W>
+inline void kquant_fused(RoundedRows x, int64_t format, const uint8_t* rows, int64_t row_bytes, float* coef,
+                         float* y, int64_t K, int64_t N) {
+  const int64_t blocks = K / SUPER;
+  const __m512i low_nibble = _mm512_set1_epi8(15), two_bits = _mm512_set1_epi8(3);
+  // Per-lane shift counts: the chunk's lower 32 bytes take one nibble / bit pair, the upper the next.
+  const __m512i q4_shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+  v16 acc[NUM_X][NUM_W] = {};
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512i sub[NUM_W];  // the super-block's sub-scales as int16, in the low lanes
+    float d[NUM_W];
+#pragma GCC unroll 16
+    for (int j = 0; j < NUM_W; ++j) {
+      const uint8_t* block = rows + j * row_bytes + b * (format == Q4_K ? 144 : 210);
+      float* c = coef + j * (K / 16) + b * 16;
+      if (format == Q4_K) {
+        alignas(16) uint8_t scales[16];
+        q4k_scales(block + 4, scales);
+        d[j] = half_at(block);
+        sub[j] = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales))));
+        const __m512 mins = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales + 8))));
+        const __m512i twice = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+        _mm512_storeu_ps(c, _mm512_mul_ps(_mm512_permutexvar_ps(twice, mins), _mm512_set1_ps(-half_at(block + 2))));
+      } else {
+        d[j] = half_at(block + 208);
+        const __m512i scales = _mm512_cvtepi8_epi16(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192))));
+        sub[j] = scales;
+        const __m512 s = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192))));
+        _mm512_storeu_ps(c, _mm512_mul_ps(s, _mm512_set1_ps(-32.0f * d[j])));
+      }
+    }
+    vi16 total[NUM_X][NUM_W] = {};
+#pragma GCC unroll 16
+    for (int chunk = 0; chunk < 4; ++chunk) {
+      __m512i u[NUM_W], scale[NUM_W];
+#pragma GCC unroll 16
+      for (int j = 0; j < NUM_W; ++j) {
+        const uint8_t* block = rows + j * row_bytes + b * (format == Q4_K ? 144 : 210);
+        if (format == Q4_K) {  // 32 bytes: sub-block 2c in the low nibbles, 2c + 1 in the high ones
+          const __m512i bytes = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16 + 32 * chunk)));
+          u[j] = _mm512_and_si512(_mm512_srlv_epi16(bytes, q4_shift), low_nibble);
+          const __m512i index = _mm512_inserti64x4(_mm512_set1_epi16(2 * chunk), _mm256_set1_epi16(2 * chunk + 1), 1);
+          scale[j] = _mm512_permutexvar_epi16(index, sub[j]);
+        } else {  // Q6_K, chunk c: half c / 2, nibble c % 2 of its 64 ql bytes, bit pairs 2 (c % 2) * 2 + {0, 1}
+          const int half = chunk / 2, odd = chunk % 2;
+          const __m512i ql = _mm512_loadu_si512(block + 64 * half);
+          const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 128 + 32 * half)));
+          const __m512i high_shift = _mm512_inserti64x4(_mm512_set1_epi16(4 * odd), _mm256_set1_epi16(4 * odd + 2), 1);
+          const __m512i low = _mm512_and_si512(_mm512_srli_epi16(ql, 4 * odd), low_nibble);
+          const __m512i high = _mm512_and_si512(_mm512_srlv_epi16(qh, high_shift), two_bits);
+          u[j] = _mm512_or_si512(low, _mm512_slli_epi16(high, 4));
+          const __m512i index = _mm512_inserti64x4(
+              _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_inserti128_si256(_mm256_set1_epi16(4 * chunk), _mm_set1_epi16(4 * chunk + 1), 1), 0),
+              _mm256_inserti128_si256(_mm256_set1_epi16(4 * chunk + 2), _mm_set1_epi16(4 * chunk + 3), 1), 1);
+          scale[j] = _mm512_permutexvar_epi16(index, sub[j]);
+        }
+      }
+#pragma GCC unroll 16
+      for (int i = 0; i < NUM_X; ++i) {
+        const __m512i q = _mm512_loadu_si512(x.q + i * K + b * SUPER + chunk * CHUNK);
+#pragma GCC unroll 16
+        for (int j = 0; j < NUM_W; ++j) {
+          __m512i t;
+          std::memcpy(&t, &total[i][j], sizeof t);
+          const __m512i pairs = _mm512_maddubs_epi16(u[j], q);
+#if defined(__AVX512VNNI__)
+          t = _mm512_dpwssd_epi32(t, pairs, scale[j]);
+#else
+          t = _mm512_add_epi32(t, _mm512_madd_epi16(pairs, scale[j]));
+#endif
+          std::memcpy(&total[i][j], &t, sizeof t);
+        }
+      }
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < NUM_X; ++i)
+#pragma GCC unroll 16
+      for (int j = 0; j < NUM_W; ++j)
+        acc[i][j] += __builtin_convertvector(total[i][j], v16) * (d[j] * x.d[i * blocks + b]);
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < NUM_X; ++i)
+#pragma GCC unroll 16
+    for (int j = 0; j < NUM_W; ++j)
+      y[i * N + j] = horizontal_sum(acc[i][j]) + coefficient_sum(coef + j * (K / 16), x.sum + i * (K / 16), K / 16);
+}
+constexpr bool FUSED = true;
+#else
+constexpr bool FUSED = false;
+#endif
+
+// ---- both -----------------------------------------------------------------------------------
+
+constexpr int ROWS_OF_X = 4, ROWS_OF_W = 2;  // 8 int + 8 float accumulators in registers
+
+// y[m, n0..n0+NUM_W) for every row m of x, in groups of ROWS_OF_X.
+template <int NUM_W, typename Run>
+void every_x(int64_t M, Run run) {
+  for (int64_t m = 0; m < M; m += ROWS_OF_X) {
+    switch (std::min<int64_t>(ROWS_OF_X, M - m)) {
+      case 1: run(std::integral_constant<int, 1>{}, m); break;
+      case 2: run(std::integral_constant<int, 2>{}, m); break;
+      case 3: run(std::integral_constant<int, 3>{}, m); break;
+      default: run(std::integral_constant<int, 4>{}, m); break;
+    }
+  }
+}
+
+// A decode or verify step on K-quants: one weight row at a time, unpacked in registers and run
+// against up to 9 rows of x (a step of 8 draft tokens plus the last one) while it is there.
+constexpr int64_t FUSED_MAX_ROWS = 16;
+constexpr int FUSED_ROWS_OF_X = 9;  // 9 x 2 accumulators in registers
+
+template <int NUM_X = FUSED_ROWS_OF_X>
+void fused_rows(int64_t rows, RoundedRows x, int64_t format, const uint8_t* w, int64_t row_bytes, float* coef,
+                float* y, int64_t K, int64_t N) {
+  if constexpr (NUM_X > 1) {
+    if (rows < NUM_X) return fused_rows<NUM_X - 1>(rows, x, format, w, row_bytes, coef, y, K, N);
+  }
+#if defined(__AVX512BW__)
+  kquant_fused<NUM_X, 1>(x, format, w, row_bytes, coef, y, K, N);
+#endif
+}
+
+void fused_product(const Activations& a, int64_t format, const uint8_t* w, int64_t row_bytes, float* out, int64_t M,
+                   int64_t K, int64_t N) {
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    float* coef = thread_scratch<float>(K / 16);
+    for (int64_t n = n0; n < n1; ++n) {
+      for (int64_t m = 0; m < M; m += FUSED_ROWS_OF_X) {
+        const RoundedRows xm{a.q.data() + m * K, a.scale.data() + m * (K / SUPER), a.sum.data() + m * K / 16};
+        fused_rows(std::min<int64_t>(FUSED_ROWS_OF_X, M - m), xm, format, w + n * row_bytes, row_bytes, coef,
+                   out + m * N + n, K, N);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& weight, int64_t format, int64_t K) {
+  TORCH_CHECK(format == Q4_0 || format == Q4_1 || format == Q5_0 || format == Q5_1 || format == Q8_0 ||
+                  is_kquant(format),
+              "int8_linear: weight format ", format, " has no int8 path (float formats run blocked_linear)");
+  const int64_t block = is_kquant(format) ? SUPER : 32;
+  const int64_t block_bytes = format == Q4_K ? 144 : format == Q6_K ? 210 : format == Q8_0 ? 34
+                              : format == Q4_0 ? 18 : format == Q4_1 ? 20 : format == Q5_0 ? 22 : 24;
+  TORCH_CHECK(K % block == 0, "int8_linear: ", K, " columns are not whole blocks of ", block);
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kUInt8 && weight.is_contiguous() &&
+                  weight.size(1) == K / block * block_bytes,
+              "int8_linear: weights must be a contiguous uint8 tensor [rows, ", K / block * block_bytes, "]");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == torch::kFloat && x.is_contiguous(),
+              "int8_linear: x must be contiguous float32 [M, ", K, "]");
+  const int64_t M = x.size(0), N = weight.size(0), Kp = is_kquant(format) ? K : padded(K), row_bytes = weight.size(1);
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const Activations a = round_rows(x.data_ptr<float>(), M, K, Kp, block);
+
+  if (FUSED && is_kquant(format) && M <= FUSED_MAX_ROWS) {
+    fused_product(a, format, weight.data_ptr<uint8_t>(), weight.size(1), y.data_ptr<float>(), M, K, N);
+    return y;
+  }
+  // Each work item unpacks a few weight rows once and runs every row of x against them.
+  const int64_t rows_per_item = M <= 16 ? 4 : 16;
+  const int64_t items = (N + rows_per_item - 1) / rows_per_item;
+  const uint8_t* w = weight.data_ptr<uint8_t>();
+  float* out = y.data_ptr<float>();
+  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+    uint8_t* u = thread_scratch<uint8_t>(rows_per_item * Kp);
+    float* floats = thread_scratch<float>(rows_per_item * (Kp / 4 + Kp / 16));  // scale | coef, or d | coef
+    int16_t* sub = thread_scratch<int16_t>(is_kquant(format) ? rows_per_item * Kp / 2 : 0);
+    float* scale = floats;
+    float* coef = floats + rows_per_item * Kp / 4;
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t n0 = item * rows_per_item, rows = std::min(rows_per_item, N - n0);
+      for (int64_t r = 0; r < rows; ++r) {
+        const uint8_t* row = w + (n0 + r) * row_bytes;
+        if (is_kquant(format)) {
+          unpack_kquant_row(format, row, K, u + r * K, sub + r * K / 2, scale + r * (K / SUPER), coef + r * K / 16);
+        } else {
+          std::fill(u + r * Kp + K, u + (r + 1) * Kp, 0);
+          std::fill(scale + r * Kp / 4 + K / 4, scale + (r + 1) * Kp / 4, 0.0f);
+          std::fill(coef + r * Kp / 16 + K / 16, coef + (r + 1) * Kp / 16, 0.0f);
+          unpack_block32_row(format, row, K, u + r * Kp, scale + r * Kp / 4, coef + r * Kp / 16);
+        }
+      }
+      for (int64_t r = 0; r < rows; r += ROWS_OF_W) {
+        const auto run_rows = [&](auto num_w, int64_t r0) {
+          every_x<decltype(num_w)::value>(M, [&](auto num_x, int64_t m) {
+            float* ym = out + m * N + n0 + r0;
+            if (is_kquant(format)) {
+              const KquantRows wr{u + r0 * K, sub + r0 * K / 2, scale + r0 * (K / SUPER), coef + r0 * K / 16};
+              const RoundedRows xr{a.q.data() + m * K, a.scale.data() + m * (K / SUPER), a.sum.data() + m * K / 16};
+              kquant_micro<decltype(num_x)::value, decltype(num_w)::value>(xr, wr, ym, K, N);
+            } else {
+              const Block32Rows wr{u + r0 * Kp, scale + r0 * Kp / 4, coef + r0 * Kp / 16};
+              const Block32Rows xr{reinterpret_cast<const uint8_t*>(a.q.data()) + m * Kp, a.scale.data() + m * Kp / 4,
+                                   a.sum.data() + m * Kp / 16};
+              block32_micro<decltype(num_x)::value, decltype(num_w)::value>(xr, wr, ym, Kp, N);
+            }
+          });
+        };
+        if (rows - r >= ROWS_OF_W) {
+          run_rows(std::integral_constant<int, ROWS_OF_W>{}, r);
+        } else {
+          for (int64_t j = r; j < rows; ++j) run_rows(std::integral_constant<int, 1>{}, j);
+        }
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace draftwise
