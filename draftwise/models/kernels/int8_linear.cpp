@@ -469,11 +469,11 @@ constexpr bool FUSED = false;
 
 constexpr int ROWS_OF_X = 4, ROWS_OF_W = 2;  // 8 int + 8 float accumulators in registers
 
-// y[m, n0..n0+NUM_W) for every row m of x, in groups of ROWS_OF_X.
+// y[m, n0..n0+NUM_W) for rows m0..m1 of x, in groups of ROWS_OF_X.
 template <int NUM_W, typename Run>
-void every_x(int64_t M, Run run) {
-  for (int64_t m = 0; m < M; m += ROWS_OF_X) {
-    switch (std::min<int64_t>(ROWS_OF_X, M - m)) {
+void every_x(int64_t m0, int64_t m1, Run run) {
+  for (int64_t m = m0; m < m1; m += ROWS_OF_X) {
+    switch (std::min<int64_t>(ROWS_OF_X, m1 - m)) {
       case 1: run(std::integral_constant<int, 1>{}, m); break;
       case 2: run(std::integral_constant<int, 2>{}, m); break;
       case 3: run(std::integral_constant<int, 3>{}, m); break;
@@ -536,9 +536,12 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& weight, i
     fused_product(a, format, weight.data_ptr<uint8_t>(), weight.size(1), y.data_ptr<float>(), M, K, N);
     return y;
   }
-  // Each work item unpacks a few weight rows once and runs every row of x against them.
+  // Each work item unpacks a few weight rows and runs a tile of x's rows against them; a tile
+  // of x (about 512 KB of rounded rows) stays in L2 while a thread walks the weight rows.
   const int64_t rows_per_item = M <= 16 ? 4 : 16;
-  const int64_t items = (N + rows_per_item - 1) / rows_per_item;
+  const int64_t weight_items = (N + rows_per_item - 1) / rows_per_item;
+  const int64_t tile_m = std::clamp<int64_t>((512 * 1024 / Kp) / ROWS_OF_X * ROWS_OF_X, 64, 512);
+  const int64_t items = weight_items * ((M + tile_m - 1) / tile_m);
   const uint8_t* w = weight.data_ptr<uint8_t>();
   float* out = y.data_ptr<float>();
   at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
@@ -548,7 +551,8 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& weight, i
     float* scale = floats;
     float* coef = floats + rows_per_item * Kp / 4;
     for (int64_t item = i0; item < i1; ++item) {
-      const int64_t n0 = item * rows_per_item, rows = std::min(rows_per_item, N - n0);
+      const int64_t n0 = item % weight_items * rows_per_item, rows = std::min(rows_per_item, N - n0);
+      const int64_t m_begin = item / weight_items * tile_m, m_end = std::min(M, m_begin + tile_m);
       for (int64_t r = 0; r < rows; ++r) {
         const uint8_t* row = w + (n0 + r) * row_bytes;
         if (is_kquant(format)) {
@@ -562,7 +566,7 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& weight, i
       }
       for (int64_t r = 0; r < rows; r += ROWS_OF_W) {
         const auto run_rows = [&](auto num_w, int64_t r0) {
-          every_x<decltype(num_w)::value>(M, [&](auto num_x, int64_t m) {
+          every_x<decltype(num_w)::value>(m_begin, m_end, [&](auto num_x, int64_t m) {
             float* ym = out + m * N + n0 + r0;
             if (is_kquant(format)) {
               const KquantRows wr{u + r0 * K, sub + r0 * K / 2, scale + r0 * (K / SUPER), coef + r0 * K / 16};

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
 #include <vector>
 
 namespace draftwise {
@@ -29,6 +30,44 @@ inline float dot(const float* a, const float* b, int64_t D) {  // D % 16 == 0
   v16 acc = load16(a) * load16(b);
   for (int64_t d = 16; d < D; d += 16) acc += load16(a + d) * load16(b + d);
   return horizontal_sum(acc);
+}
+
+// dot() of a with 4 rows b, b + D, b + 2D, b + 3D at once, each bit-identical to dot(): the same
+// 16-lane products in the same order, and one reduction tree shared by the four whose every
+// level adds the same lanes horizontal_sum() adds (l + 8, then l + 4, then l + 2, then l + 1).
+inline void dot4(const float* a, const float* b, int64_t D, float* out) {
+  v16 acc[4];
+  for (int r = 0; r < 4; ++r) acc[r] = load16(a) * load16(b + r * D);
+  for (int64_t d = 16; d < D; d += 16) {
+    const v16 x = load16(a + d);
+    for (int r = 0; r < 4; ++r) acc[r] += x * load16(b + r * D + d);
+  }
+  // [r0 l+8 sums | r1 l+8 sums], [r2 | r3]: lanes 0-7 from the first vector, 8-15 from the second
+  const v16 s01 = __builtin_shufflevector(acc[0], acc[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                  __builtin_shufflevector(acc[0], acc[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  const v16 s23 = __builtin_shufflevector(acc[2], acc[3], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                  __builtin_shufflevector(acc[2], acc[3], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  // l + 4: [r0 4 | r1 4 | r2 4 | r3 4]
+  const v16 t = __builtin_shufflevector(s01, s23, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+                __builtin_shufflevector(s01, s23, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  // (b0 + b2) + (b1 + b3) per row, as horizontal_sum
+  const v8 u = __builtin_shufflevector(t, t, 0, 1, 4, 5, 8, 9, 12, 13) + __builtin_shufflevector(t, t, 2, 3, 6, 7, 10, 11, 14, 15);
+  for (int r = 0; r < 4; ++r) out[r] = u[2 * r] + u[2 * r + 1];
+}
+
+// out[0..D) += w * v[0..D) for each key in order, with the sums in registers (D = 16 * N).
+template <int N>
+inline void weighted_sum(const float* weights, const int32_t* keys, int64_t count, const float* V, int64_t D,
+                         float* out) {
+  v16 acc[N];
+  for (int n = 0; n < N; ++n) acc[n] = load16(out + 16 * n);
+  for (int64_t c = 0; c < count; ++c) {
+    const float w = weights[c];
+    const float* v = V + int64_t(keys[c]) * D;
+#pragma GCC unroll 8
+    for (int n = 0; n < N; ++n) acc[n] = acc[n] + w * load16(v + 16 * n);
+  }
+  for (int n = 0; n < N; ++n) store16(out + 16 * n, acc[n]);
 }
 
 // e^(x - max) in place for x[0..n), returns their sum (fixed order for a given n).
@@ -106,7 +145,8 @@ torch::Tensor silu_mul(const torch::Tensor& gate, const torch::Tensor& up) {
 // Each (query, head) gathers the scores of exactly the keys it may see, in slot order, into a
 // compact row; the softmax and the weighted sum of values run over that row. A masked-out key
 // is skipped, not added as zero weight, so a token of a tree or a draft gets the arithmetic it
-// gets when decoded alone.
+// gets when decoded alone. Four adjacent keys share one reduction tree (dot4, bit-identical to
+// four dot() calls) and a query's weighted sum of values stays in registers.
 torch::Tensor attention(const torch::Tensor& queries, const torch::Tensor& keys, const torch::Tensor& values,
                         int64_t start, const torch::Tensor& mask, double scale) {
   TORCH_CHECK(queries.dim() == 3 && queries.scalar_type() == torch::kFloat && queries.is_contiguous(),
@@ -130,50 +170,107 @@ torch::Tensor attention(const torch::Tensor& queries, const torch::Tensor& keys,
   const bool* mp = causal ? nullptr : mask.data_ptr<bool>();
   float* op = out.data_ptr<float>();
   const int64_t group = H / H_kv, total = start + T;
-  constexpr int64_t QUERIES = 8;  // queries per work item: each key row is loaded once for all of them
+  constexpr int64_t QUERIES = 8;  // positions per work item
+  constexpr int64_t TILE = 32;    // keys per tile: 16 KB of keys or values (D = 128), in L1 for every query
   const int64_t chunks = (T + QUERIES - 1) / QUERIES;
-  at::parallel_for(0, H * chunks, 1, [&](int64_t i0, int64_t i1) {
+  // A work item is one key/value head and up to 8 positions: its group's heads x positions are
+  // the queries, and each tile of keys, then of values, is read once for all of them.
+  at::parallel_for(0, H_kv * chunks, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t item = i0; item < i1; ++item) {
-      const int64_t h = item % H, t0 = (item / H) * QUERIES, nt = std::min(QUERIES, T - t0);
-      const float* K = kp + (h / group) * keys.stride(0);
-      const float* V = vp + (h / group) * values.stride(0);
-      // Causal: no query of this chunk sees past its last token.
-      const int64_t end = causal ? start + t0 + nt : total;
-      auto visible = [&](int64_t i, int64_t j) {
-        if (j < start) return true;
-        const int64_t t = t0 + i, new_j = j - start;
-        return causal ? new_j <= t : mp[t * T + new_j];
-      };
+      const int64_t g = item % H_kv, t0 = (item / H_kv) * QUERIES, nt = std::min(QUERIES, T - t0);
+      const float* K = kp + g * keys.stride(0);
+      const float* V = vp + g * values.stride(0);
+      const int64_t end = causal ? start + t0 + nt : total;  // no query here sees past slot end - 1
+      const int64_t row = end + 16, num_queries = group * nt;
       std::vector<float>& buffer = scratch();
-      const int64_t row = end + 16;
-      if (int64_t(buffer.size()) < QUERIES * (row + D)) buffer.resize(QUERIES * (row + D));
-      float* scores = buffer.data();                 // [QUERIES][row]
-      float* acc = buffer.data() + QUERIES * row;    // [QUERIES][D]
+      if (int64_t(buffer.size()) < num_queries * (row + D)) buffer.resize(num_queries * (row + D));
+      float* scores = buffer.data();                      // [query][row], query = head in group * nt + i
+      float* acc = buffer.data() + num_queries * row;     // [query][D]
+      static thread_local std::vector<int32_t> key_buffer;
+      if (int64_t(key_buffer.size()) < QUERIES * row) key_buffer.resize(QUERIES * row);
+      int32_t* keys_of = key_buffer.data();  // [i][row]: the slots position t0 + i sees, in order (all heads alike)
       int64_t count[QUERIES] = {};
-      for (int64_t j = 0; j < end; ++j)
-        for (int64_t i = 0; i < nt; ++i)
-          if (visible(i, j)) scores[i * row + count[i]++] = dot(q + ((t0 + i) * H + h) * D, K + j * D, D) * float(scale);
-      float total_weight[QUERIES];
       for (int64_t i = 0; i < nt; ++i) {
-        float max = scores[i * row];
-        for (int64_t c = 1; c < count[i]; ++c) max = std::max(max, scores[i * row + c]);
-        total_weight[i] = exp_and_sum(scores + i * row, count[i], max);
-        std::fill(acc + i * D, acc + (i + 1) * D, 0.0f);
+        const int64_t t = t0 + i;
+        if (causal) {  // slots 0 .. start + t
+          count[i] = start + t + 1;
+          std::iota(keys_of + i * row, keys_of + i * row + count[i], int32_t(0));
+          continue;
+        }
+        for (int64_t j = 0; j < start; ++j) keys_of[i * row + count[i]++] = int32_t(j);
+        for (int64_t j = 0; j < T; ++j)
+          if (mp[t * T + j]) keys_of[i * row + count[i]++] = int32_t(start + j);
       }
-      int64_t used[QUERIES] = {};
-      for (int64_t j = 0; j < end; ++j) {
-        const float* v = V + j * D;
-        for (int64_t i = 0; i < nt; ++i) {
-          if (!visible(i, j)) continue;
-          const float weight = scores[i * row + used[i]++];
-          for (int64_t d = 0; d < D; d += 16) store16(acc + i * D + d, load16(acc + i * D + d) + weight * load16(v + d));
+      // Scores, a tile of keys at a time (four adjacent keys share one reduction: dot4).
+      int64_t cursor[QUERIES];
+      for (int64_t hh = 0; hh < group; ++hh) {
+        const int64_t h = g * group + hh;
+        std::fill(cursor, cursor + QUERIES, 0);
+        for (int64_t j1 = TILE; j1 < end + TILE; j1 += TILE) {
+          for (int64_t i = 0; i < nt; ++i) {
+            const float* query = q + ((t0 + i) * H + h) * D;
+            const int32_t* keys_i = keys_of + i * row;
+            float* s = scores + (hh * nt + i) * row;
+            int64_t c = cursor[i];
+            while (c < count[i] && keys_i[c] < j1) {
+              if (c + 4 <= count[i] && keys_i[c + 3] == keys_i[c] + 3) {
+                dot4(query, K + int64_t(keys_i[c]) * D, D, s + c);
+                c += 4;
+              } else {
+                s[c] = dot(query, K + int64_t(keys_i[c]) * D, D);
+                c += 1;
+              }
+            }
+            cursor[i] = c;
+          }
         }
       }
-      for (int64_t i = 0; i < nt; ++i) {
-        const float inverse = 1.0f / total_weight[i];
-        float* o = op + ((t0 + i) * H + h) * D;
-        for (int64_t d = 0; d < D; ++d) o[d] = acc[i * D + d] * inverse;
+      // Softmax per query.
+      float total_weight[8 * QUERIES];
+      std::vector<float> weight_sums;
+      float* sums = num_queries <= 8 * QUERIES ? total_weight : (weight_sums.resize(num_queries), weight_sums.data());
+      for (int64_t query = 0; query < num_queries; ++query) {
+        const int64_t n = count[query % nt];
+        float* s = scores + query * row;
+        for (int64_t c = 0; c < n; ++c) s[c] *= float(scale);
+        float max = s[0];
+        for (int64_t c = 1; c < n; ++c) max = std::max(max, s[c]);
+        sums[query] = exp_and_sum(s, n, max);
+        std::fill(acc + query * D, acc + (query + 1) * D, 0.0f);
       }
+      // Weighted sums of values, a tile of values at a time, each query's sum in key order.
+      for (int64_t query = 0; query < num_queries; ++query) cursor[query % nt] = 0;
+      for (int64_t j1 = TILE; j1 < end + TILE; j1 += TILE) {
+        for (int64_t i = 0; i < nt; ++i) {
+          const int32_t* keys_i = keys_of + i * row;
+          const int64_t c0 = cursor[i];
+          int64_t c1 = c0;
+          while (c1 < count[i] && keys_i[c1] < j1) ++c1;
+          cursor[i] = c1;
+          for (int64_t hh = 0; hh < group; ++hh) {
+            const int64_t query = hh * nt + i;
+            const float* w = scores + query * row;
+            float* a = acc + query * D;
+            if (D == 128) {
+              weighted_sum<8>(w + c0, keys_i + c0, c1 - c0, V, D, a);
+            } else if (D == 64) {
+              weighted_sum<4>(w + c0, keys_i + c0, c1 - c0, V, D, a);
+            } else {  // the same sums, through memory
+              for (int64_t c = c0; c < c1; ++c) {
+                const float* v = V + int64_t(keys_i[c]) * D;
+                for (int64_t d = 0; d < D; d += 16) store16(a + d, load16(a + d) + w[c] * load16(v + d));
+              }
+            }
+          }
+        }
+      }
+      for (int64_t hh = 0; hh < group; ++hh)
+        for (int64_t i = 0; i < nt; ++i) {
+          const int64_t query = hh * nt + i;
+          const float inverse = 1.0f / sums[query];
+          float* o = op + ((t0 + i) * H + g * group + hh) * D;
+          for (int64_t d = 0; d < D; ++d) o[d] = acc[query * D + d] * inverse;
+        }
     }
   });
   return out;
