@@ -47,7 +47,7 @@ def _add_generate(subparsers) -> None:
     cmd.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     cmd.add_argument("--dtype", default="auto", choices=list(DTYPES),
                      help="how weights are stored: auto = a GGUF model's own blocks as shipped (default), "
-                          "float32, bfloat16; activations are float32 in every case")
+                          "float32, bfloat16 (activations: see --activations)")
     cmd.add_argument("--quantize", choices=list(QUANTIZATIONS),
                      help="re-quantize the float weights: int8 (Q8_0 blocks) or int4 (Q4_1 blocks)")
     cmd.add_argument("--activations", default="float32", choices=list(ACTIVATIONS),
