@@ -87,12 +87,15 @@ def test_small_real_run_matches_plain_greedy_and_writes_reports(smollm2, tmp_pat
 
 
 def test_quantized_rows_are_checked_against_their_own_plain_decoding(smollm2):
-    config = BenchConfig(max_new_tokens=16, repeats=1, quantize=("int4",), with_transformers=False,
-                         with_llama_cpp=False)
+    config = BenchConfig(max_new_tokens=16, repeats=1, quantize=("int4",), activation_rows=("int8",),
+                         with_transformers=False, with_llama_cpp=False)
     methods, _ = build_methods(config, progress=False)
     references = {m.name: m.reference for m in methods}
     assert references["draftwise int4 plain"] is None
     assert references["draftwise int4 ngram k<=10 adaptive"] == "draftwise int4 plain"
+    assert references["draftwise int8-act ngram k<=10 adaptive"] == "draftwise int8-act plain"
+    int8_plain = next(m for m in methods if m.name == "draftwise int8-act plain")
+    assert int8_plain.engine.target.model.lm_head.weight.int8_activations  # the rows really run int8
     assert references["draftwise ngram k<=10 adaptive"] == "draftwise plain"
 
 
@@ -109,3 +112,5 @@ def test_llama_cpp_is_skipped_with_the_install_command_when_missing(smollm2, mon
 def test_unknown_quantization_is_refused_before_loading():
     with pytest.raises(ConfigError, match="int3"):
         BenchConfig(quantize=("int3",))
+    with pytest.raises(ConfigError, match="activations='int4'"):
+        BenchConfig(activation_rows=("int4",))
