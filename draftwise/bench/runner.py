@@ -75,8 +75,8 @@ def build_methods(config: BenchConfig, progress: bool = True) -> tuple[list[Meth
     methods = _draftwise_methods(target, config, "", list(config.drafters or DRAFTERS), skipped, progress)
     for activations in config.activation_rows:
         rounded = loading.load(config.model, dtype=config.dtype, progress=progress, activations=activations)
-        names = [name for name in ("none", "ngram", "model") if name in (config.drafters or DRAFTERS) or name == "none"]
-        methods += _draftwise_methods(rounded, config, f"{activations}-act ", names, skipped, progress)
+        drafters = [name for name in ("ngram", "model") if name in (config.drafters or DRAFTERS)]
+        methods += _draftwise_methods(rounded, config, f"{activations}-act ", drafters, skipped, progress)
     for quantize in config.quantize:
         quantized = loading.load(config.model, dtype="float32", quantize=quantize, progress=progress)
         methods += _draftwise_methods(quantized, config, f"{quantize} ", ["none", "ngram"], skipped, progress)

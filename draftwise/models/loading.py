@@ -23,7 +23,7 @@ from draftwise.models.kernels import native_kernels
 from draftwise.models.linear import WeightFormat, check_activations, check_quantize, use_activations
 from draftwise.models.llama import SUPPORTED_ARCHITECTURES, DecoderShape, LlamaModel
 
-# --dtype: how the native decoder stores weights (activations are always float32).
+# --dtype: how the native decoder stores weights (activations: --activations, models/linear.py).
 # "auto": a GGUF model's blocks as shipped (4-8 bits a weight), any other model in float32.
 DTYPES = {"auto": None, "float32": WeightFormat.F32, "bfloat16": WeightFormat.BF16}
 # The torch dtype transformers loads a model in, for the fallback and the bench's baselines.
@@ -95,8 +95,8 @@ def load(spec: str, dtype: str = "auto", auto_fetch: bool = False, progress: boo
     ("auto": a GGUF model's own blocks, else float32; "float32"; "bfloat16"); quantize ("int8"
     or "int4") re-quantizes the float weights into Q8_0 / Q4_1 blocks instead. activations:
     "float32", or "int8" (each linear's input rounded to 8 bits per 32 values, integer dot
-    products against the blocks: faster, close to float32; models/linear.py). Architectures the native decoder lacks (e.g. Gemma 3) load through
-    transformers instead (models/hf.py)."""
+    products against the blocks: faster, close to float32; models/linear.py). Architectures the
+    native decoder lacks (e.g. Gemma 3) load through transformers instead (models/hf.py)."""
     from transformers import AutoConfig, AutoTokenizer
     from safetensors.torch import load_file
 

@@ -27,17 +27,17 @@
 // pairs and an int16 multiply-add by the sub-scales into int32 lanes. Then
 //   dot(w, round8(x)) = sum over super-blocks of float(I) * (d * dx)
 //                       + sum over 16-column groups of w.coef * x.sum   (Q4_K's mins, Q6_K's -32).
-// One float multiply-add per 256 columns instead of one per 64: a verify step of 9 rows costs
-// little more than the bytes of the weights.
+// One float multiply-add per 256 columns instead of one per 64; what is left per row of x is
+// two integer multiplies per 64 weights.
 //
 // Batch invariance: y[m, n] is that arithmetic in that order (16-lane float accumulator in
 // column order, one fixed horizontal sum, then the coefficient sum), whatever the number of
 // rows of x and however threads split the work. The integer parts are exact, so every
 // instruction set below (AVX-512 VNNI, AVX-512BW, portable C++) computes the same integers.
+#include "formats.h"
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
-#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <type_traits>
@@ -52,15 +52,7 @@ namespace {
 constexpr int64_t CHUNK = 64;  // columns per integer step: 16 int32 lanes x 4 bytes
 constexpr int64_t SUPER = 256;  // columns of a K-quant super-block
 
-enum Format : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
-
 inline bool is_kquant(int64_t format) { return format == Q4_K || format == Q6_K; }
-
-inline float half_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-}
 
 inline int64_t padded(int64_t K) { return (K + CHUNK - 1) / CHUNK * CHUNK; }
 
@@ -192,7 +184,7 @@ void unpack_block32_row(int64_t format, const uint8_t* row, int64_t K, uint8_t* 
   const bool with_min = format == Q4_1 || format == Q5_1, five_bits = format == Q5_0 || format == Q5_1;
   const int64_t bytes = format == Q8_0 ? 34 : (with_min ? 20 : 18) + (five_bits ? 4 : 0);
   for (int64_t b = 0; b < K / 32; ++b, row += bytes, u += 32, scale += 8, coef += 2) {
-    const float d = half_at(row);
+    const float d = half_to_float(row);
     fill(scale, 8, d);
     if (format == Q8_0) {
       for (int i = 0; i < 32; ++i) u[i] = row[2 + i] ^ 128;  // int8 v -> v + 128
@@ -205,7 +197,7 @@ void unpack_block32_row(int64_t format, const uint8_t* row, int64_t K, uint8_t* 
       std::memcpy(&high, row + (with_min ? 4 : 2), 4);
       for (int i = 0; i < 32; ++i) u[i] |= ((high >> i) & 1) << 4;
     }
-    fill(coef, 2, with_min ? half_at(row + 2) : -float(five_bits ? 16 : 8) * d);
+    fill(coef, 2, with_min ? half_to_float(row + 2) : -float(five_bits ? 16 : 8) * d);
   }
 }
 
@@ -277,8 +269,8 @@ void unpack_kquant_row(int64_t format, const uint8_t* row, int64_t K, uint8_t* u
                        float* coef) {
   for (int64_t b = 0; b < K / SUPER; ++b, u += SUPER, sub += SUPER / 2, coef += SUPER / 16) {
     if (format == Q4_K) {
-      const float dmin = half_at(row + 2);
-      d[b] = half_at(row);
+      const float dmin = half_to_float(row + 2);
+      d[b] = half_to_float(row);
       const uint8_t* sc = row + 4;  // 8 six-bit scales and 8 six-bit mins
       const uint8_t* qs = row + 16;
       for (int pair = 0; pair < 4; ++pair) {  // 32 bytes: sub-block 2p in low nibbles, 2p+1 in high
@@ -294,7 +286,7 @@ void unpack_kquant_row(int64_t format, const uint8_t* row, int64_t K, uint8_t* u
       row += 144;
     } else {  // Q6_K
       const int8_t* sc = reinterpret_cast<const int8_t*>(row + 192);
-      d[b] = half_at(row + 208);
+      d[b] = half_to_float(row + 208);
       six_bits(row, row + 128, u);
       six_bits(row + 64, row + 160, u + 128);
       for (int g = 0; g < 16; ++g) {
@@ -393,13 +385,13 @@ inline void kquant_fused(RoundedRows x, int64_t format, const uint8_t* rows, int
       if (format == Q4_K) {
         alignas(16) uint8_t scales[16];
         q4k_scales(block + 4, scales);
-        d[j] = half_at(block);
+        d[j] = half_to_float(block);
         sub[j] = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales))));
         const __m512 mins = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales + 8))));
         const __m512i twice = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-        _mm512_storeu_ps(c, _mm512_mul_ps(_mm512_permutexvar_ps(twice, mins), _mm512_set1_ps(-half_at(block + 2))));
+        _mm512_storeu_ps(c, _mm512_mul_ps(_mm512_permutexvar_ps(twice, mins), _mm512_set1_ps(-half_to_float(block + 2))));
       } else {
-        d[j] = half_at(block + 208);
+        d[j] = half_to_float(block + 208);
         const __m512i scales = _mm512_cvtepi8_epi16(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192))));
         sub[j] = scales;
         const __m512 s = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192))));
@@ -519,13 +511,8 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& weight, i
   TORCH_CHECK(format == Q4_0 || format == Q4_1 || format == Q5_0 || format == Q5_1 || format == Q8_0 ||
                   is_kquant(format),
               "int8_linear: weight format ", format, " has no int8 path (float formats run blocked_linear)");
-  const int64_t block = is_kquant(format) ? SUPER : 32;
-  const int64_t block_bytes = format == Q4_K ? 144 : format == Q6_K ? 210 : format == Q8_0 ? 34
-                              : format == Q4_0 ? 18 : format == Q4_1 ? 20 : format == Q5_0 ? 22 : 24;
-  TORCH_CHECK(K % block == 0, "int8_linear: ", K, " columns are not whole blocks of ", block);
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kUInt8 && weight.is_contiguous() &&
-                  weight.size(1) == K / block * block_bytes,
-              "int8_linear: weights must be a contiguous uint8 tensor [rows, ", K / block * block_bytes, "]");
+  check_weight(weight, format, K);
+  const int64_t block = layout(format).weights;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == torch::kFloat && x.is_contiguous(),
               "int8_linear: x must be contiguous float32 [M, ", K, "]");
   const int64_t M = x.size(0), N = weight.size(0), Kp = is_kquant(format) ? K : padded(K), row_bytes = weight.size(1);

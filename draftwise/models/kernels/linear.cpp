@@ -13,11 +13,10 @@
 // is bit-identical whether x has 1 row, 9, or 2000, and whatever threads split the work.
 // Dequantisation reproduces the GGUF reference (gguf-py) bit for bit: products are rounded
 // separately (no fused multiply-add), as numpy rounds them.
+#include "formats.h"
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
-#include <c10/util/Half.h>
-#include <c10/util/BFloat16.h>
 
 #include <algorithm>
 #include <vector>
@@ -31,38 +30,6 @@ namespace {
 constexpr int ROWS_OF_W = 4;  // weight rows per block: 4 x 6 = 24 accumulators + 4 weights
 constexpr int ROWS_OF_X = 6;
 constexpr int64_t SKINNY_MAX_ROWS = 32;  // more rows than this: the prefill path
-
-inline float half_to_float(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-#if defined(__F16C__)
-  return _cvtsh_ss(bits);  // one instruction; exact, as every float16 is a float32
-#else
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-#endif
-}
-
-// GGML type ids (the numbers in a GGUF file), and what one block holds.
-enum Format : int64_t { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12,
-                        Q6_K = 14, BF16 = 30 };
-
-struct Layout { int64_t weights; int64_t bytes; };
-
-Layout layout(int64_t format) {
-  switch (format) {
-    case F32: return {1, 4};
-    case F16: return {1, 2};
-    case BF16: return {1, 2};
-    case Q4_0: return {32, 18};
-    case Q4_1: return {32, 20};
-    case Q5_0: return {32, 22};
-    case Q5_1: return {32, 24};
-    case Q8_0: return {32, 34};
-    case Q4_K: return {256, 144};
-    case Q6_K: return {256, 210};
-  }
-  TORCH_CHECK(false, "draftwise kernels: weight format ", format, " is not supported");
-}
 
 // 16 unsigned bytes -> 16 int32 lanes. Spelled with intrinsics where they exist: GCC lowers
 // __builtin_convertvector(uint8 x 16 -> int32 x 16) to scalar code (measured: 4x slower).
@@ -346,15 +313,6 @@ void prefill(const float* x, const uint8_t* w, int64_t format, float* y, int64_t
   at::parallel_for(0, tiles_m * tiles_n, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) tile_product(x, w_f32, y, M, K, N, (t % tiles_m) * TILE_M, (t / tiles_m) * TILE_N);
   });
-}
-
-void check_weight(const torch::Tensor& weight, int64_t format, int64_t K) {
-  const Layout l = layout(format);
-  TORCH_CHECK(K % l.weights == 0, "draftwise kernels: ", K, " columns are not whole blocks of ", l.weights);
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kUInt8 && weight.is_contiguous(),
-              "draftwise kernels: weights must be a contiguous uint8 tensor [rows, bytes per row]");
-  TORCH_CHECK(weight.size(1) == K / l.weights * l.bytes, "draftwise kernels: ", weight.size(1),
-              " bytes per row do not hold ", K, " weights of format ", format);
 }
 
 }  // namespace

@@ -183,9 +183,10 @@ torch::Tensor attention(const torch::Tensor& queries, const torch::Tensor& keys,
       const int64_t end = causal ? start + t0 + nt : total;  // no query here sees past slot end - 1
       const int64_t row = end + 16, num_queries = group * nt;
       std::vector<float>& buffer = scratch();
-      if (int64_t(buffer.size()) < num_queries * (row + D)) buffer.resize(num_queries * (row + D));
+      if (int64_t(buffer.size()) < num_queries * (row + D + 1)) buffer.resize(num_queries * (row + D + 1));
       float* scores = buffer.data();                      // [query][row], query = head in group * nt + i
       float* acc = buffer.data() + num_queries * row;     // [query][D]
+      float* sums = acc + num_queries * D;                // [query]: each softmax's total weight
       static thread_local std::vector<int32_t> key_buffer;
       if (int64_t(key_buffer.size()) < QUERIES * row) key_buffer.resize(QUERIES * row);
       int32_t* keys_of = key_buffer.data();  // [i][row]: the slots position t0 + i sees, in order (all heads alike)
@@ -226,9 +227,6 @@ torch::Tensor attention(const torch::Tensor& queries, const torch::Tensor& keys,
         }
       }
       // Softmax per query.
-      float total_weight[8 * QUERIES];
-      std::vector<float> weight_sums;
-      float* sums = num_queries <= 8 * QUERIES ? total_weight : (weight_sums.resize(num_queries), weight_sums.data());
       for (int64_t query = 0; query < num_queries; ++query) {
         const int64_t n = count[query % nt];
         float* s = scores + query * row;
@@ -239,7 +237,7 @@ torch::Tensor attention(const torch::Tensor& queries, const torch::Tensor& keys,
         std::fill(acc + query * D, acc + (query + 1) * D, 0.0f);
       }
       // Weighted sums of values, a tile of values at a time, each query's sum in key order.
-      for (int64_t query = 0; query < num_queries; ++query) cursor[query % nt] = 0;
+      std::fill(cursor, cursor + QUERIES, 0);
       for (int64_t j1 = TILE; j1 < end + TILE; j1 += TILE) {
         for (int64_t i = 0; i < nt; ++i) {
           const int32_t* keys_i = keys_of + i * row;

@@ -1,0 +1,56 @@
+// GGUF's weight formats as the kernels see them: GGML type ids, what one block holds, float16
+// scales, and the check every product runs on its weight bytes (linear.cpp, int8_linear.cpp).
+#pragma once
+
+#include "vec.h"
+
+#include <c10/util/Half.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace draftwise {
+
+// GGML type ids (the numbers in a GGUF file).
+enum Format : int64_t { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12,
+                        Q6_K = 14, BF16 = 30 };
+
+struct Layout { int64_t weights; int64_t bytes; };  // per block
+
+inline Layout layout(int64_t format) {
+  switch (format) {
+    case F32: return {1, 4};
+    case F16: return {1, 2};
+    case BF16: return {1, 2};
+    case Q4_0: return {32, 18};
+    case Q4_1: return {32, 20};
+    case Q5_0: return {32, 22};
+    case Q5_1: return {32, 24};
+    case Q8_0: return {32, 34};
+    case Q4_K: return {256, 144};
+    case Q6_K: return {256, 210};
+  }
+  TORCH_CHECK(false, "draftwise kernels: weight format ", format, " is not supported");
+}
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(bits);  // one instruction; exact, as every float16 is a float32
+#else
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
+}
+
+// weight: N rows of K weights in format, as a contiguous uint8 tensor [N, bytes per row].
+inline void check_weight(const torch::Tensor& weight, int64_t format, int64_t K) {
+  const Layout l = layout(format);
+  TORCH_CHECK(K % l.weights == 0, "draftwise kernels: ", K, " columns are not whole blocks of ", l.weights);
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kUInt8 && weight.is_contiguous(),
+              "draftwise kernels: weights must be a contiguous uint8 tensor [rows, bytes per row]");
+  TORCH_CHECK(weight.size(1) == K / l.weights * l.bytes, "draftwise kernels: ", weight.size(1),
+              " bytes per row do not hold ", K, " weights of format ", format);
+}
+
+}  // namespace draftwise
