@@ -47,6 +47,7 @@ class DraftLengthPolicy:
         self.steps_without_draft = 0
         # key -> per draft position [accepted weight, reached weight]
         self.acceptance: dict[Hashable, list[list[float]]] = {}
+        self.tree_calibration: dict[Hashable, list[float]] = {}  # key -> [accepted, predicted] decayed sums
 
     def begin_request(self) -> None:
         """A new request starts: keep only REQUEST_MEMORY of the acceptance evidence."""
@@ -54,6 +55,9 @@ class DraftLengthPolicy:
             for counts in positions:
                 counts[0] *= REQUEST_MEMORY
                 counts[1] *= REQUEST_MEMORY
+        for sums in self.tree_calibration.values():
+            sums[0] *= REQUEST_MEMORY
+            sums[1] *= REQUEST_MEMORY
         self.steps_without_draft = 0
 
     def choose(self, key: Hashable, num_available: int) -> int:
@@ -84,6 +88,33 @@ class DraftLengthPolicy:
             if rate > best_rate:
                 best, best_rate = m, rate
         return best
+
+    def choose_nodes(self, key: Hashable, scores: list[float]) -> int:
+        """How many nodes of a scored tree to verify (0 = none). scores: the drafter's estimate
+        that each node is accepted, best first (a node's path probability under the drafter);
+        the expected committed tokens of the first m nodes are 1 + c * sum(scores[:m]), with c
+        this kind of tree's measured ratio of accepted to predicted nodes."""
+        if not scores or 1 not in self.forward_s:
+            return 0
+        calibration = self._calibration(key)
+        best, best_rate = 0, 1.0 / self.forward_s[1]
+        expected = 1.0
+        for m, score in enumerate(scores, start=1):
+            expected += calibration * score
+            rate = expected / _cost(self.forward_s, m + 1)
+            if rate > best_rate:
+                best, best_rate = m, rate
+        return best
+
+    def observe_tree_verdict(self, key: Hashable, predicted: float, num_accepted: int) -> None:
+        """A verified tree whose scores summed to `predicted` had num_accepted nodes accepted."""
+        sums = self.tree_calibration.setdefault(key, [0.0, 0.0])
+        sums[0] = DECAY * sums[0] + num_accepted
+        sums[1] = DECAY * sums[1] + predicted
+
+    def _calibration(self, key: Hashable) -> float:
+        accepted, predicted = self.tree_calibration.get(key, (0.0, 0.0))
+        return (accepted + PRIOR_WEIGHT) / (predicted + PRIOR_WEIGHT)  # prior: the scores are calibrated
 
     def _forward_cost(self, num_tokens: int) -> float:
         return _cost(self.forward_s, num_tokens)

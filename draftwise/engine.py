@@ -21,7 +21,8 @@ from draftwise.metrics import RequestMetrics
 from draftwise.models.loading import LoadedModel
 from draftwise.sampling import logits_to_probs, make_generator
 from draftwise.text_stream import TextStream
-from draftwise.verify import Verdict, verify_greedy, verify_rejection
+from draftwise import tree
+from draftwise.verify import Verdict, verify_greedy, verify_rejection, verify_tree_greedy, verify_tree_rejection
 
 Prompt = str | list[dict[str, str]]  # raw text, or chat messages [{"role": ..., "content": ...}]
 
@@ -69,6 +70,8 @@ class Engine:
         self.drafter: Drafter = drafter if drafter is not None else NoDrafter()
         self.num_draft_tokens = num_draft_tokens
         self.draft_length = draft_length
+        # Layers whose hidden states the drafter reads (EAGLE, Medusa); () for most drafters.
+        self.hidden_layers: tuple[int, ...] = tuple(getattr(self.drafter, "hidden_layers", ()))
 
     @property
     def tokenizer(self):
@@ -117,7 +120,10 @@ class Engine:
         context = torch.tensor(prompt_ids, dtype=torch.long)  # committed tokens: prompt + output
 
         started = time.perf_counter()
-        logits = model.forward(context, torch.arange(context.shape[0]), cache, num_logits=1)  # [1, vocab]
+        logits = self._forward(context, torch.arange(context.shape[0]), cache, None, num_logits=1)  # [1, vocab]
+        if self.hidden_layers:
+            logits, hidden = logits
+            self.drafter.observe(hidden)  # [prompt, layers * hidden]: all of it is committed context
         verdict = _choose(empty_draft(), logits, params, generator)
         metrics.prefill_s = time.perf_counter() - started
         new_tokens = [verdict.next_token]
@@ -160,35 +166,65 @@ class Engine:
             budget = self.draft_length.choose_before_drafting(budget)  # a draft model pays per token
         tic = time.perf_counter()
         draft = self.drafter.propose(context, budget) if budget > 0 else empty_draft()
-        if self.draft_length is not None and draft.tokens.shape[0] and not sequential:
-            draft = draft.trimmed(self.draft_length.choose(draft.key, draft.tokens.shape[0]))
+        if self.draft_length is not None and draft.tokens.shape[0]:
+            if draft.scores is not None:  # a scored tree: as many nodes as pay for their cost
+                draft = draft.trimmed(self.draft_length.choose_nodes(draft.key, draft.scores.tolist()))
+            elif not sequential:
+                draft = draft.trimmed(self.draft_length.choose(draft.key, draft.tokens.shape[0]))
         toc = time.perf_counter()
         if sequential and budget > 0:
             self.draft_length.observe_draft(budget, toc - tic)
         num_proposed = draft.tokens.shape[0]
         # The cache holds every committed token but the last; score it and the draft at once.
-        inputs = torch.cat((context[-1:], draft.tokens))  # [1 + k]
-        positions = torch.arange(num_committed - 1, num_committed + num_proposed)
-        logits = self.target.model.forward(inputs, positions, cache)  # [1 + k, vocab]
+        inputs = torch.cat((context[-1:], draft.tokens))  # [1 + n]
+        if draft.is_tree:
+            # Each node sits one position past its parent and sees only its ancestors.
+            positions = num_committed - 1 + torch.cat((torch.zeros(1, dtype=torch.long), tree.depths(draft.parents)))
+            mask = tree.ancestor_mask(draft.parents)  # [1 + n, 1 + n]
+        else:
+            positions = torch.arange(num_committed - 1, num_committed + num_proposed)
+            mask = None
+        logits = self._forward(inputs, positions, cache, mask)  # [1 + n, vocab]
+        if self.hidden_layers:
+            logits, hidden = logits
         forward_s = time.perf_counter() - toc
         metrics.target_forward_s += forward_s
         verdict = _choose(draft, logits, params, generator)
+        path = verdict.accepted_nodes()
         if self.draft_length is not None:
             self.draft_length.observe_forward(1 + num_proposed, forward_s)
-            if num_proposed:
+            if draft.scores is not None:
+                self.draft_length.observe_tree_verdict(draft.key, float(draft.scores.sum()), verdict.num_accepted)
+            elif num_proposed:
                 self.draft_length.observe_verdict(draft.key, num_proposed, verdict.num_accepted)
-        # Roll back, in one place, both caches to the committed prefix they both saw.
+        # Roll back, in one place, both caches to the committed prefix they both saw; a tree's
+        # accepted path moves next to the committed tokens.
         num_valid = num_committed + verdict.num_accepted
-        cache.truncate(num_valid)
+        cache.keep_path(num_committed, path)
         self.drafter.rollback(num_valid)
+        if self.hidden_layers:
+            self.drafter.observe(hidden[[0] + [node + 1 for node in path]])  # the newly committed rows
         metrics.draft_s += toc - tic
         metrics.verify_s += time.perf_counter() - toc
-        metrics.record_step(num_proposed, verdict.num_accepted, verdict.num_accepted + 1)
-        return draft.tokens[: verdict.num_accepted].tolist() + [verdict.next_token]
+        depth = int(tree.depths(draft.parents).max()) if draft.is_tree and num_proposed else num_proposed
+        metrics.record_step(num_proposed, verdict.num_accepted, verdict.num_accepted + 1, depth)
+        return draft.tokens[path].tolist() + [verdict.next_token]
+
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor | None,
+                 num_logits: int | None = None):
+        """The target's forward; with a drafter that reads hidden states, (logits, hidden)."""
+        if self.hidden_layers:
+            return self.target.model.forward(tokens, positions, cache, mask, num_logits, hidden_layers=self.hidden_layers)
+        return self.target.model.forward(tokens, positions, cache, mask, num_logits)
 
 
 def _choose(draft: Draft, target_logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> Verdict:
-    """Verify a (possibly empty) draft against target logits [k + 1, vocab]."""
+    """Verify a (possibly empty) chain or tree draft against target logits [n + 1, vocab]."""
+    if draft.is_tree:
+        if params.is_greedy:
+            return verify_tree_greedy(draft.tokens, draft.parents, target_logits)
+        target_probs = logits_to_probs(target_logits, params)
+        return verify_tree_rejection(draft.tokens, draft.parents, draft.probs, target_probs, generator)
     if params.is_greedy:
         return verify_greedy(draft.tokens, target_logits)
     target_probs = logits_to_probs(target_logits, params)  # an empty draft just samples row 0

@@ -43,6 +43,24 @@ class CacheLength:
         """Keep the first `length` tokens (a no-op when the cache is already that short)."""
         self.rollback(max(0, self.length - length))
 
+    def keep_path(self, first_slot: int, nodes: list[int]) -> None:
+        """After a tree verify wrote draft node i at slot first_slot + i, keep the accepted
+        nodes (a root-to-leaf path, increasing indices) at first_slot, first_slot + 1, ... and
+        forget every later slot. Moves at most len(nodes) entries; recomputes nothing."""
+        if any(later <= earlier for earlier, later in zip(nodes, nodes[1:])) or (nodes and nodes[0] < 0):
+            raise DraftwiseError(f"keep_path needs increasing node indices, got {nodes}")
+        if first_slot + (nodes[-1] + 1 if nodes else 0) > self.length:
+            raise DraftwiseError(f"keep_path: node {nodes[-1]} at slot {first_slot + nodes[-1]} is not cached")
+        moves = [(first_slot + node, first_slot + depth) for depth, node in enumerate(nodes) if node != depth]
+        if moves:
+            sources, targets = zip(*moves)
+            self._move(list(sources), list(targets))
+        self.truncate(first_slot + len(nodes))
+
+    def _move(self, sources: list[int], targets: list[int]) -> None:
+        """Copy the entries at slots sources to slots targets (targets[i] <= sources[i])."""
+        raise DraftwiseError(f"{type(self).__name__} cannot keep a tree path: use a chain drafter.")
+
     def _forget(self, num_tokens: int) -> None:
         """Drop storage of the last num_tokens tokens; preallocated buffers need nothing."""
 
@@ -69,3 +87,8 @@ class KVCache(CacheLength):
         self.keys[layer, :, :, start:end] = keys
         self.values[layer, :, :, start:end] = values
         return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+
+    def _move(self, sources: list[int], targets: list[int]) -> None:
+        # Advanced indexing on the right copies first, so overlapping moves are safe.
+        self.keys[:, :, :, targets] = self.keys[:, :, :, sources]
+        self.values[:, :, :, targets] = self.values[:, :, :, sources]

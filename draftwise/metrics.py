@@ -21,16 +21,18 @@ class RequestMetrics:
     target_forward_s: float = 0.0  # the target forwards alone (part of verify_s)
     total_s: float = 0.0  # prefill through the last token
 
-    def record_step(self, num_proposed: int, num_accepted: int, num_committed: int) -> None:
+    def record_step(self, num_proposed: int, num_accepted: int, num_committed: int, depth: int | None = None) -> None:
+        """depth: how many positions the draft reached (a chain's length, a tree's depth)."""
         self.num_target_forwards += 1
         self.num_draft_tokens += num_proposed
         self.num_accepted_tokens += num_accepted
         self.num_committed_tokens += num_committed
-        missing = num_proposed - len(self.proposed_per_position)
+        depth = num_proposed if depth is None else depth
+        missing = depth - len(self.proposed_per_position)
         if missing > 0:
             self.proposed_per_position.extend([0] * missing)
             self.accepted_per_position.extend([0] * missing)
-        for position in range(num_proposed):
+        for position in range(depth):
             self.proposed_per_position[position] += 1
             self.accepted_per_position[position] += position < num_accepted
 

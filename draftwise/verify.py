@@ -7,6 +7,13 @@ min(1, target_probs_i / draft_probs_i); at the first rejection a token is drawn 
 residual norm(max(0, target_probs - draft_probs)); when all k are accepted a bonus token is
 drawn from the target's next distribution. Every emitted token then follows the target
 distribution exactly. No function here calls a model.
+
+Trees (several candidates per position, `draftwise.tree`) use multi-draft rejection sampling
+as in SpecInfer (Miao et al., "SpecInfer: Accelerating Large Language Model Serving with
+Tree-based Speculative Inference and Verification", ASPLOS 2024) and EAGLE (Li et al. 2024):
+at a node, its children are tried in turn, each against the residual the rejected siblings
+left; the first accepted child becomes the new node; when all are rejected the residual itself
+is sampled.
 """
 
 from __future__ import annotations
@@ -16,11 +23,17 @@ from typing import NamedTuple
 import torch
 
 from draftwise.sampling import sample
+from draftwise.tree import children_lists
 
 
 class Verdict(NamedTuple):
     num_accepted: int  # accepted draft tokens, 0..k
     next_token: int  # recovered token (after a rejection) or bonus token (all accepted)
+    path: tuple[int, ...] | None = None  # the accepted tree nodes, root first; None: a chain's first num_accepted
+
+    def accepted_nodes(self) -> list[int]:
+        """Indices of the accepted draft nodes, in order (for a chain, 0..num_accepted-1)."""
+        return list(range(self.num_accepted)) if self.path is None else list(self.path)
 
 
 def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> Verdict:
@@ -70,3 +83,68 @@ def verify_rejection(
     # the rejection was impossible, and only rounding got us here: fall back to p itself.
     residual = residual / total if total > 0 else target_row
     return Verdict(num_accepted, int(sample(residual, generator)))
+
+
+def verify_tree_greedy(draft_tokens: torch.Tensor, parents: torch.Tensor, target_logits: torch.Tensor) -> Verdict:
+    """Keep the longest root-to-node path whose every token is the target's argmax after its
+    parent. draft_tokens, parents: [n]; target_logits: [1 + n, vocab], row 0 the root's
+    (the last committed token), row 1 + i node i's."""
+    target_tokens = target_logits.argmax(dim=-1).tolist()  # one sync per step: the walk needs them
+    tokens = draft_tokens.tolist()
+    children = children_lists(parents)
+    path: list[int] = []
+    row = 0
+    while True:
+        wanted = target_tokens[row]
+        match = next((child for child in children[row] if tokens[child] == wanted), None)
+        if match is None:
+            return Verdict(len(path), wanted, tuple(path))
+        path.append(match)
+        row = match + 1
+
+
+def verify_tree_rejection(
+    draft_tokens: torch.Tensor,
+    parents: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None,
+) -> Verdict:
+    """Lossless multi-draft rejection sampling over a tree (SpecInfer, EAGLE).
+
+    At the current node (the root first) with target distribution p, children are tried in draft
+    order: child x drawn from q is accepted with probability min(1, p(x) / q(x)); a rejection
+    replaces p by the residual norm(max(0, p - q)) for the next sibling. An accepted child becomes
+    the current node; when every child is rejected (or there is none) the next token is drawn
+    from p as it stands. Each emitted token then follows the target distribution exactly when
+    siblings are independent draws from their (shared) draft_probs row, or, with draft_probs
+    None, for any fixed distinct sibling tokens (each a point mass: acceptance with probability
+    p(x), rejection removes x from p), which is how top-k trees are verified.
+
+    draft_tokens, parents: [n]; draft_probs: [n, vocab] (row i: the distribution node i was drawn
+    from) or None; target_probs: [1 + n, vocab], row 0 the root's, row 1 + i node i's.
+    """
+    tokens = draft_tokens.tolist()
+    children = children_lists(parents)
+    path: list[int] = []
+    row = 0
+    while True:
+        residual = target_probs[row]  # [vocab]
+        for child in children[row]:
+            token = tokens[child]
+            draft_prob = 1.0 if draft_probs is None else float(draft_probs[child, token])
+            # u < p/q written as u * q < p, as in verify_rejection.
+            if float(torch.rand(1, generator=generator)) * draft_prob < float(residual[token]):
+                path.append(child)
+                row = child + 1
+                break
+            if draft_probs is None:
+                left = residual.clone()
+                left[token] = 0.0
+            else:
+                left = (residual - draft_probs[child]).clamp_min(0.0)
+            total = left.sum()
+            # A zero residual means the rejection was impossible and only rounding got here.
+            residual = left / total if total > 0 else residual
+        else:
+            return Verdict(len(path), int(sample(residual, generator)), tuple(path))

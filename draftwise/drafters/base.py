@@ -9,25 +9,50 @@ from typing import Protocol
 import torch
 
 from draftwise.config import SamplingParams
+from draftwise.tree import check_parents
 
 
 @dataclass(frozen=True, slots=True)
 class Draft:
+    """A chain of draft tokens, or a tree of them (draftwise.tree) when parents is given."""
+
     tokens: torch.Tensor  # [n] proposed token ids, 0 <= n <= k (an empty draft is allowed)
-    probs: torch.Tensor | None  # [n, vocab] distributions the tokens were drawn from; None = point mass
+    # [n, vocab] distributions the tokens were drawn from (siblings in a tree: independent draws
+    # from one shared row); None = point masses (fixed guesses, top-k trees)
+    probs: torch.Tensor | None
     # What kind of draft this is, for the draft-length policy's acceptance statistics (the
     # n-gram drafter gives its match length); drafts of one kind should be alike in quality.
     key: Hashable = None
+    parents: torch.Tensor | None = None  # [n] parent node per node, -1 = the last committed token; None = a chain
+    # [n] the drafter's estimate that each node gets accepted (a tree drafter's path
+    # probabilities), nodes sorted best first; the policy then chooses how many nodes to verify
+    scores: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.parents is not None:
+            check_parents(self.parents)
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None
 
     def trimmed(self, num_tokens: int) -> "Draft":
-        """The first num_tokens draft tokens."""
-        probs = None if self.probs is None else self.probs[:num_tokens]
-        return Draft(self.tokens[:num_tokens], probs, self.key)
+        """The first num_tokens draft nodes (parents precede children, so still a tree)."""
+        def cut(tensor):
+            return None if tensor is None else tensor[:num_tokens]
+        return Draft(self.tokens[:num_tokens], cut(self.probs), self.key, cut(self.parents), cut(self.scores))
 
 
 class Drafter(Protocol):
     """Proposes draft tokens for one request at a time. The engine owns the loop: it calls
-    begin() once, then propose() and rollback() once per step."""
+    begin() once, then propose() and rollback() once per step.
+
+    A drafter that reads the target's hidden states (EAGLE, Medusa) also has
+    `hidden_layers: tuple[int, ...]` (which of the target's layer outputs it needs; see
+    CausalLM.forward) and `observe(hidden)`: the engine calls it with the rows of every target
+    forward that became committed context (the prompt's at prefill, then the last committed
+    token's and the accepted nodes' after each step), [rows, len(hidden_layers) * hidden_size].
+    """
 
     # True when drafting costs about a model forward per token (a draft model): the engine
     # then decides the draft length BEFORE drafting; False (n-gram) drafts for free and trims.
@@ -42,7 +67,8 @@ class Drafter(Protocol):
         ...
 
     def rollback(self, num_valid: int) -> None:
-        """Only the first num_valid tokens of the last context + draft were kept: forget the rest."""
+        """Only the first num_valid tokens of the last context + draft were kept (for a tree: the
+        context and the accepted path): forget the rest."""
         ...
 
 

@@ -31,6 +31,12 @@ class CausalLM(Protocol):
         positions: torch.Tensor,  # [T] positions for the rotary embedding
         cache: KVCache,
         attn_mask: torch.Tensor | None = None,  # [T, T] bool among the new tokens; None = causal
-    ) -> torch.Tensor:  # [T, vocab] float32 logits
-        """Score T new tokens appended after cache.length cached ones; advances cache.length by T."""
+        num_logits: int | None = None,  # score only the last num_logits tokens
+        hidden_layers: tuple[int, ...] = (),
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Score T new tokens appended after cache.length cached ones; advances cache.length by T.
+        Returns logits [num_logits or T, vocab] float32; with hidden_layers, also the hidden
+        states of all T tokens at those layers, concatenated: [T, len(hidden_layers) * hidden].
+        Layer i < num_layers is the residual stream after decoder layer i; i = num_layers is the
+        final norm's output (what the LM head reads)."""
         ...

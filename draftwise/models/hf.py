@@ -51,11 +51,12 @@ class HFModel:
         cache: HFCache,
         attn_mask: torch.Tensor | None = None,
         num_logits: int | None = None,
-    ) -> torch.Tensor:  # [num_logits or T, vocab] float32
-        if attn_mask is not None:
+        hidden_layers: tuple[int, ...] = (),  # see CausalLM.forward
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [num_logits or T, vocab] float32 (, hidden)
+        if attn_mask is not None or hidden_layers:
             raise ModelLoadError(
                 f"{self.info.name} runs through the transformers fallback, which cannot verify draft "
-                "trees: use a chain drafter (ngram, model, cross-vocab)."
+                "trees nor feed heads its hidden states: use a chain drafter (ngram, model, cross-vocab)."
             )
         start = cache.reserve(tokens.shape[0])
         output = self.model(

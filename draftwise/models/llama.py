@@ -252,15 +252,27 @@ class LlamaModel(nn.Module):
         cache: KVCache,
         attn_mask: torch.Tensor | None = None,  # [T, T] bool among the new tokens, True = may attend; None = causal
         num_logits: int | None = None,  # score only the last num_logits tokens (prefill needs 1)
-    ) -> torch.Tensor:  # [num_logits or T, vocab] float32
+        hidden_layers: tuple[int, ...] = (),  # also return these layers' outputs (see CausalLM.forward)
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [num_logits or T, vocab] float32 (, [T, layers * hidden])
+        num_layers = self.shape.num_layers
+        if any(not 0 <= layer <= num_layers for layer in hidden_layers):
+            raise ValueError(f"hidden_layers {hidden_layers} must lie in 0..{num_layers} for {self.info.name}")
         start = cache.reserve(tokens.shape[0])
         cos, sin = self.rope.lookup(positions)  # [T, 1, head_dim] each
         x = self.model.embed_tokens(tokens)  # [T, hidden]
+        saved: dict[int, torch.Tensor] = {}
         for index, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, cache, index, start, attn_mask)
-        if num_logits is not None:
-            x = x[-num_logits:]
-        return self.lm_head(self.model.norm(x))
+            if index in hidden_layers:
+                saved[index] = x
+        if num_layers in hidden_layers:
+            x = saved[num_layers] = self.model.norm(x)  # row-wise: the same bits on all rows or a slice
+            logits = self.lm_head(x if num_logits is None else x[-num_logits:])
+        else:
+            logits = self.lm_head(self.model.norm(x if num_logits is None else x[-num_logits:]))
+        if not hidden_layers:
+            return logits
+        return logits, torch.cat([saved[layer] for layer in hidden_layers], dim=-1)
 
 
 class RopeTable:

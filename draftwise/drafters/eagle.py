@@ -1,0 +1,142 @@
+"""The EAGLE drafter: a head on the target's hidden states (draftwise.heads.eagle) grows a tree.
+
+Each step the head first reads the rows the target just committed (their fused hidden states
+and the next tokens), then expands a dynamic tree as EAGLE-2 does (Li et al., "EAGLE-2: Faster
+Inference of Language Models with Dynamic Draft Trees", EMNLP 2024): the top_k best children of
+each frontier node, the top_k best new nodes by path probability as the next frontier, depth
+times; finally the best nodes overall by path probability, as many as the engine allows. Their
+path probabilities go out as the draft's scores, so the draft-length policy can keep as many
+nodes as this machine's measured forward costs pay for. The tokens are fixed guesses (point
+masses), so sampling verifies them losslessly too (verify.verify_tree_rejection).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftwise.config import SamplingParams
+from draftwise.drafters.base import Draft, empty_draft
+from draftwise.errors import ConfigError
+from draftwise.heads.eagle import EagleHead
+
+
+class EagleDrafter:
+    sequential = False  # one tree per step whatever its size; the policy trims nodes by score
+
+    def __init__(self, head: EagleHead, target_model, top_k: int = 8, depth: int = 6) -> None:
+        config = head.config
+        shape = target_model.shape
+        if config.hidden_size != shape.hidden_size or config.target_vocab_size != shape.vocab_size or \
+                max(config.hidden_layers) > shape.num_layers:
+            raise ConfigError(
+                f"the head was trained for {config.target!r} (hidden size {config.hidden_size}, vocabulary "
+                f"{config.target_vocab_size}), not for {target_model.info.name} (hidden size {shape.hidden_size}, "
+                f"vocabulary {shape.vocab_size}): train one with `draftwise train --target {target_model.info.name}`."
+            )
+        if top_k < 1 or depth < 1:
+            raise ConfigError(f"top_k ({top_k}) and depth ({depth}) must be at least 1")
+        self.head = head
+        self.embed = target_model.model.embed_tokens  # the target's own embedding: [T] -> [T, hidden]
+        self.hidden_layers = config.hidden_layers
+        self.top_k = top_k
+        self.depth = depth
+
+    def begin(self, params: SamplingParams, generator: torch.Generator, max_length: int) -> None:
+        c = self.head.config
+        capacity = max_length + self.depth * self.top_k + 1
+        self.keys = torch.zeros(capacity, c.num_kv_heads, c.head_dim)
+        self.values = torch.zeros(capacity, c.num_kv_heads, c.head_dim)
+        self.num_rows = 0  # head rows over committed context (target features), kept in the cache
+        self.pending: list[torch.Tensor] = []  # target hidden states not read yet
+        self.last_output: torch.Tensor | None = None  # the last committed row's output [hidden]
+
+    def observe(self, hidden: torch.Tensor) -> None:
+        self.pending.append(hidden)
+
+    def rollback(self, num_valid: int) -> None:
+        pass  # the cache keeps committed rows only; draft rows are overwritten by the next step
+
+    @torch.inference_mode()
+    def propose(self, context: torch.Tensor, num_draft_tokens: int) -> Draft:
+        if self.pending:
+            self._read_committed(context)
+        if num_draft_tokens == 0 or self.last_output is None:
+            return empty_draft()
+        return self._grow_tree(context.shape[0], num_draft_tokens)
+
+    def _run(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+             mask: torch.Tensor) -> torch.Tensor:
+        """Head rows at cache slots: mask [R, slots.max() + 1] over the cache -> outputs [R, hidden]."""
+        x, q, k, v = self.head.project(features, self.embed(tokens), positions)
+        self.keys[slots] = k
+        self.values[slots] = v
+        end = mask.shape[1]
+        return self.head.finish(x, q, self.keys[:end], self.values[:end], mask)
+
+    def _read_committed(self, context: torch.Tensor) -> None:
+        """Row r reads the target's feature of position r and token r + 1, which are now committed."""
+        features = self.head.fuse(torch.cat(self.pending))  # [R, hidden]
+        self.pending = []
+        first, rows = self.num_rows, features.shape[0]
+        positions = torch.arange(first, first + rows)
+        mask = torch.ones(rows, first + rows, dtype=torch.bool)
+        mask[:, first:] = torch.ones(rows, rows, dtype=torch.bool).tril()
+        outputs = self._run(features, context[positions + 1], positions + 1, positions, mask)
+        self.num_rows += rows
+        self.last_output = outputs[-1]
+
+    def _grow_tree(self, num_committed: int, num_nodes: int) -> Draft:
+        head, top_k = self.head, self.top_k
+        tokens: list[int] = []  # draft-vocabulary ids
+        parents: list[int] = []
+        scores: list[float] = []  # log path probabilities
+        depths: list[int] = []
+        slot_of: dict[int, int] = {}  # expanded node -> its head cache slot
+        ancestors: dict[int, list[int]] = {-1: []}
+        output_of = {-1: self.last_output}  # expanded node -> its row's output, the feature its children read
+        frontier = [-1]  # the last committed token: its children come from the last committed row
+        for depth in range(1, self.depth + 1):
+            outputs = torch.stack([output_of[node] for node in frontier])  # [F, hidden]
+            logprobs = torch.log_softmax(head.logits(outputs), dim=-1)  # [F, draft vocab]
+            best = logprobs.topk(top_k, dim=-1)
+            children = []
+            for row, parent in enumerate(frontier):
+                base = scores[parent] if parent >= 0 else 0.0
+                for value, token in zip(best.values[row].tolist(), best.indices[row].tolist()):
+                    tokens.append(token)
+                    parents.append(parent)
+                    scores.append(base + value)
+                    depths.append(depth)
+                    node = len(tokens) - 1
+                    ancestors[node] = ancestors[parent] + [node]
+                    children.append(node)
+            if depth == self.depth:
+                break
+            # Expand the top_k new nodes by path probability: one head forward over all of them.
+            frontier = sorted(children, key=lambda node: -scores[node])[:top_k]
+            first_slot = self.num_rows + len(slot_of)
+            for index, node in enumerate(frontier):
+                slot_of[node] = first_slot + index
+            mask = torch.zeros(len(frontier), first_slot + len(frontier), dtype=torch.bool)
+            mask[:, : self.num_rows] = True
+            for row, node in enumerate(frontier):
+                mask[row, [slot_of[a] for a in ancestors[node]]] = True  # its ancestors' rows and its own
+            features = torch.stack([output_of[parents[node]] for node in frontier])
+            # Node at depth d holds the token of position num_committed - 1 + d.
+            positions = torch.tensor([num_committed - 1 + depths[node] for node in frontier])
+            draft_ids = torch.tensor([tokens[node] for node in frontier])
+            new_outputs = self._run(features, head.draft_to_target[draft_ids], positions,
+                                    torch.tensor([slot_of[node] for node in frontier]), mask)
+            output_of.update(zip(frontier, new_outputs))
+        # The best nodes overall; a node's ancestors score at least as well, so they come first.
+        order = sorted(range(len(tokens)), key=lambda node: (-scores[node], depths[node]))[:num_nodes]
+        chosen = set(order)
+        order = [node for node in order if all(a in chosen for a in ancestors[node])]
+        index_of = {node: index for index, node in enumerate(order)}
+        return Draft(
+            tokens=head.draft_to_target[torch.tensor([tokens[node] for node in order])],
+            probs=None,
+            key="eagle",
+            parents=torch.tensor([index_of[parents[node]] if parents[node] >= 0 else -1 for node in order]),
+            scores=torch.tensor([scores[node] for node in order]).exp(),
+        )

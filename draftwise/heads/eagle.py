@@ -1,0 +1,158 @@
+"""An EAGLE-style draft head: one decoder layer that reads the target's own hidden states.
+
+EAGLE (Li et al., "EAGLE: Speculative Sampling Requires Rethinking Feature Uncertainty", ICML
+2024; EAGLE-2, EMNLP 2024; EAGLE-3, 2025) drafts with a small head instead of a second model.
+Row r of the head reads the target's feature of position r and the embedding of token r + 1,
+and predicts token r + 2. As in EAGLE-3 the feature fuses a low, a middle and a high layer of
+the target (`fuse`), the head's own output is fed back as the next row's feature when the
+target has not scored that position yet (deeper draft nodes), and it scores a reduced draft
+vocabulary: the most frequent tokens of its training data, mapped to target ids by `draft_to_target`.
+
+The head runs on PyTorch's float32 ops: its numerics only decide which tokens are proposed,
+never what is emitted (the target verifies every one).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftwise.errors import ConfigError
+
+CONFIG_NAME = "head.json"
+WEIGHTS_NAME = "head.safetensors"
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    target: str  # the target model the head was trained for (a registry name or path)
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    hidden_layers: tuple[int, ...]  # the target layers whose outputs are fused (CausalLM.forward)
+    draft_vocab_size: int
+    target_vocab_size: int
+    kind: str = "eagle"
+    format_version: int = FORMAT_VERSION
+    training: dict = field(default_factory=dict)  # how it was trained: data, steps, measured acceptance
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "hidden_layers", tuple(self.hidden_layers))
+
+    @classmethod
+    def for_target(cls, target_model, target_name: str, draft_vocab_size: int) -> "EagleConfig":
+        """A head shaped like one of the target's layers, fusing its layers at ~10%, 50% and 90% depth."""
+        s = target_model.shape
+        last = s.num_layers - 1
+        layers = tuple(sorted({max(1, round(0.1 * last)), round(0.5 * last), round(0.9 * last)}))
+        return cls(target=target_name, hidden_size=s.hidden_size, num_heads=s.num_heads, num_kv_heads=s.num_kv_heads,
+                   head_dim=s.head_dim, intermediate_size=s.intermediate_size, rms_norm_eps=s.rms_norm_eps,
+                   rope_theta=s.rope_theta, hidden_layers=layers, draft_vocab_size=draft_vocab_size,
+                   target_vocab_size=s.vocab_size)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding of x [R, heads, head_dim] at positions [R] (Llama's rotate-half form)."""
+    head_dim = x.shape[-1]
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    angles = torch.cat((angles, angles), dim=-1)[:, None]  # [R, 1, head_dim]
+    first, second = x.chunk(2, dim=-1)
+    return x * angles.cos() + torch.cat((-second, first), dim=-1) * angles.sin()
+
+
+class EagleHead(nn.Module):
+    def __init__(self, config: EagleConfig) -> None:
+        super().__init__()
+        self.config = config
+        c = config
+        h = c.hidden_size
+        self.fuse = nn.Linear(len(c.hidden_layers) * h, h, bias=False)
+        self.embed_norm = RMSNorm(h, c.rms_norm_eps)
+        self.feature_norm = RMSNorm(h, c.rms_norm_eps)
+        self.input_proj = nn.Linear(2 * h, h, bias=False)
+        self.q_proj = nn.Linear(h, c.num_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(h, c.num_kv_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(h, c.num_kv_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, h, bias=False)
+        self.mlp_norm = RMSNorm(h, c.rms_norm_eps)
+        self.gate_proj = nn.Linear(h, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(h, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, h, bias=False)
+        self.norm = RMSNorm(h, c.rms_norm_eps)
+        self.lm_head = nn.Linear(h, c.draft_vocab_size, bias=False)
+        self.register_buffer("draft_to_target", torch.arange(c.draft_vocab_size))  # [draft vocab] target ids
+
+    def project(self, features: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor):
+        """A row's input and its query/key/value: features, token_embeds [R, hidden] ->
+        (x [R, hidden], q [R, heads, d], k [R, kv_heads, d], v [R, kv_heads, d])."""
+        c = self.config
+        x = self.input_proj(torch.cat((self.embed_norm(token_embeds), self.feature_norm(features)), dim=-1))
+        rows = x.shape[0]
+        q = rotate(self.q_proj(x).view(rows, c.num_heads, c.head_dim), positions, c.rope_theta)
+        k = rotate(self.k_proj(x).view(rows, c.num_kv_heads, c.head_dim), positions, c.rope_theta)
+        v = self.v_proj(x).view(rows, c.num_kv_heads, c.head_dim)
+        return x, q, k, v
+
+    def finish(self, x: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               mask: torch.Tensor) -> torch.Tensor:
+        """Attention of q [R, heads, d] over keys / values [S, kv_heads, d] where mask [R, S]
+        (True = may attend), then the MLP: -> the rows' outputs [R, hidden] (the next feature)."""
+        attended = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys.transpose(0, 1)[None],
+                                                  values.transpose(0, 1)[None], attn_mask=mask, enable_gqa=True)
+        x = x + self.o_proj(attended[0].transpose(0, 1).reshape(x.shape[0], -1))
+        normed = self.mlp_norm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(normed)) * self.up_proj(normed))
+
+    def logits(self, outputs: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, draft vocab]
+        return self.lm_head(self.norm(outputs))
+
+    def save(self, folder: str | Path) -> Path:
+        from safetensors.torch import save_file
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        state = {name: tensor.detach().contiguous() for name, tensor in self.state_dict().items()}
+        save_file({n: (t.to(torch.bfloat16) if t.is_floating_point() else t) for n, t in state.items()},
+                  folder / WEIGHTS_NAME)
+        (folder / CONFIG_NAME).write_text(json.dumps(asdict(self.config), indent=2) + "\n")
+        return folder
+
+
+def load_head(folder: str | Path) -> EagleHead:
+    """A head saved by EagleHead.save (`draftwise train`): head.json + head.safetensors."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    config_path, weights_path = folder / CONFIG_NAME, folder / WEIGHTS_NAME
+    if not config_path.is_file() or not weights_path.is_file():
+        raise ConfigError(f"{folder} is not a draft head: it needs {CONFIG_NAME} and {WEIGHTS_NAME} "
+                          "(as written by `draftwise train`).")
+    fields = json.loads(config_path.read_text())
+    if fields.get("format_version") != FORMAT_VERSION or fields.get("kind") != "eagle":
+        raise ConfigError(f"{config_path} is a {fields.get('kind')!r} head of format {fields.get('format_version')}; "
+                          f"this draftwise reads 'eagle' heads of format {FORMAT_VERSION}: retrain it with `draftwise train`.")
+    head = EagleHead(EagleConfig(**fields))
+    state = {name: tensor.float() if tensor.is_floating_point() else tensor for name, tensor in load_file(weights_path).items()}
+    head.load_state_dict(state)
+    return head.eval()
