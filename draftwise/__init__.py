@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 from draftwise.config import SamplingParams, SpecConfig
+from draftwise.drafters.base import Draft, Drafter
 from draftwise.engine import Engine, GenerationResult, StreamUpdate
 from draftwise.errors import DraftwiseError
 from draftwise.models.registry import DEFAULT_MODEL
@@ -18,7 +19,7 @@ __version__ = "0.1.0"
 
 def load(
     model: str = DEFAULT_MODEL,
-    drafter: str = "ngram",
+    drafter: str | Drafter = "ngram",
     draft_model: str | None = None,
     num_draft_tokens: int | None = None,
     dtype: str = "auto",
@@ -28,6 +29,7 @@ def load(
     cross_vocab_method: str = "auto",
     draft_quantize: str = "auto",
     activations: str = "float32",
+    head: str | None = None,
 ) -> Engine:
     """Load a target model (registry name, local path or hub id) and a drafter into an Engine.
 
@@ -46,12 +48,24 @@ def load(
     (draftwise.drafters.cross_vocab); cross_vocab_method picks "string" or "intersection"
     ("auto": from the vocabularies' overlap). draft_quantize stores the draft model's weights
     in int8/int4 ("auto": int8 where the native decoder runs it); it never changes the output.
+
+    drafter may also be an object of your own with the Drafter protocol
+    (draftwise.drafters.base; examples/custom_drafter.py shows one).
+
+    drafter="eagle" drafts trees with a head on the target's hidden states: `head` is a folder
+    written by `draftwise train` (default: the head shipped for the target, if any).
     """
     from draftwise.drafters import build_drafter
     from draftwise.models import loading
 
+    if not isinstance(drafter, str):  # the caller's own Drafter (examples/custom_drafter.py)
+        target = loading.load(model, dtype=dtype, auto_fetch=model == DEFAULT_MODEL, progress=progress,
+                              quantize=quantize, activations=activations)
+        spec = SpecConfig(drafter="custom", num_draft_tokens=num_draft_tokens, draft_length=draft_length)
+        return engine_for(spec, target, drafter)
     spec = SpecConfig(drafter=drafter, num_draft_tokens=num_draft_tokens, draft_model=draft_model,
-                      draft_length=draft_length, cross_vocab_method=cross_vocab_method, draft_quantize=draft_quantize)
+                      draft_length=draft_length, cross_vocab_method=cross_vocab_method, draft_quantize=draft_quantize,
+                      head=head)
     target = loading.load(model, dtype=dtype, auto_fetch=model == DEFAULT_MODEL, progress=progress, quantize=quantize,
                           activations=activations)
     return engine_for(spec, target, build_drafter(spec, target, dtype=dtype, progress=progress))
@@ -65,5 +79,5 @@ def engine_for(spec: SpecConfig, target, drafter) -> Engine:
     return Engine(target, drafter, spec.max_draft_tokens, policy)
 
 
-__all__ = ["DEFAULT_MODEL", "DraftwiseError", "Engine", "GenerationResult", "SamplingParams", "SpecConfig",
+__all__ = ["DEFAULT_MODEL", "Draft", "Drafter", "DraftwiseError", "Engine", "GenerationResult", "SamplingParams", "SpecConfig",
            "StreamUpdate", "load"]

@@ -1,4 +1,4 @@
-"""Command line: `draftwise generate`, `draftwise bench`, `draftwise models list|fetch`.
+"""Command line: `draftwise generate`, `draftwise bench`, `draftwise train`, `draftwise models list|fetch`.
 
 Flags map one-to-one to SamplingParams / SpecConfig fields, in kebab-case.
 """
@@ -27,6 +27,8 @@ def _add_generate(subparsers) -> None:
     cmd.add_argument("--model", default=DEFAULT_MODEL, help=f"packaged name, local folder/.gguf or hub id (default: {DEFAULT_MODEL})")
     cmd.add_argument("--drafter", default="ngram", choices=list(DRAFTERS), help="how draft tokens are proposed (default: ngram)")
     cmd.add_argument("--draft-model", help="the draft model for --drafter model or cross-vocab: name or path")
+    cmd.add_argument("--head", help="for --drafter eagle or medusa: a head folder from `draftwise train` "
+                                    "(default: the one shipped for --model)")
     cmd.add_argument("--cross-vocab-method", default="auto", choices=list(CROSS_VOCAB_METHODS),
                      help="for --drafter cross-vocab: string (re-tokenise the draft's text) or intersection "
                           "(draft only tokens both vocabularies share); auto picks from their overlap (default)")
@@ -34,7 +36,8 @@ def _add_generate(subparsers) -> None:
                      help="the draft model's weights; never changes the output (default auto: int8 where the "
                           "native decoder runs the draft)")
     cmd.add_argument("--num-draft-tokens", type=int, metavar="K",
-                     help="most draft tokens per step (default: 10 for ngram, 5 for model and cross-vocab)")
+                     help="most draft tokens per step (default: 10 for ngram, 5 for model and cross-vocab, "
+                          "24 tree nodes for eagle)")
     cmd.add_argument("--draft-length", default="adaptive", choices=list(DRAFT_LENGTHS),
                      help="adaptive: verify the share of each draft that measured costs say pays off (default); "
                           "fixed: always verify K")
@@ -86,7 +89,7 @@ def _add_bench(subparsers) -> None:
                      help="comma-separated weight formats to add rows for (draftwise plain and ngram, re-quantized); "
                           "'none' for no such rows (default: int8,int4)")
     cmd.add_argument("--activation-rows", default="none",
-                     help="comma-separated activation modes to add rows for (draftwise plain, ngram and model on "
+                     help="comma-separated activation modes to add rows for (draftwise plain, ngram, model, eagle, medusa on "
                           "the same weights): int8; 'none' for no such rows (default)")
     cmd.add_argument("--threads", type=int, help="CPU threads for every method (default: PyTorch's, one per core)")
     cmd.add_argument("--num-draft-tokens", type=int, metavar="K",
@@ -97,6 +100,8 @@ def _add_bench(subparsers) -> None:
     cmd.add_argument("--prompts", type=Path, help="folder of *.jsonl prompt files (default: benchmarks/prompts)")
     cmd.add_argument("--categories", help="comma-separated categories to run (default: all)")
     cmd.add_argument("--per-category", type=int, help="first N prompts of each category")
+    cmd.add_argument("--heads", help="a `draftwise train --out` folder: the eagle and medusa rows use its heads "
+                                     "(default: the heads shipped for --model)")
     cmd.add_argument("--quick", action="store_true",
                      help="smoke run in a few minutes: 1 prompt per category, 32 new tokens, 1 repeat, "
                           "no quantized rows")
@@ -124,7 +129,7 @@ def _bench(args) -> int:
                          activation_rows=tuple(name for name in args.activation_rows.split(",") if name and name != "none"),
                          threads=args.threads, cross_vocab_draft=args.cross_vocab_draft,
                          cross_vocab_methods=tuple(args.cross_vocab_method.split(",")),
-                         drafters=tuple(args.drafters.split(",")) if args.drafters else None)
+                         drafters=tuple(args.drafters.split(",")) if args.drafters else None, heads=args.heads)
     categories = args.categories.split(",") if args.categories else None
     prompts = load_suite(args.prompts or default_prompt_dir(), categories, quick.get("per_category", args.per_category))
     methods, skipped = build_methods(config, progress=not args.quiet)
@@ -140,6 +145,56 @@ def _bench(args) -> int:
     if not any(path.suffix == ".png" for path in paths):
         print("no plots: install matplotlib (pip install -e '.[bench]')", file=sys.stderr)
     print("wrote " + ", ".join(str(path) for path in paths), file=sys.stderr)
+    return 0
+
+
+def _add_train(subparsers) -> None:
+    from draftwise.models.registry import DEFAULT_MODEL
+    from draftwise.train.pipeline import DataSettings
+    from draftwise.train.trainer import TrainSettings
+
+    data, train = DataSettings(), TrainSettings()
+    cmd = subparsers.add_parser(
+        "train", help="train an EAGLE draft head for a target on this machine",
+        description="Self-distillation: the target writes questions (Magpie) or reads --prompts, answers them, and a "
+                    "one-layer head learns to draft its answers from its hidden states. Writes head.json + "
+                    "head.safetensors into --out (load with --drafter eagle --head DIR); rerun to resume.")
+    cmd.add_argument("--kind", default="eagle", choices=["eagle", "medusa"], help="which head (default: eagle)")
+    cmd.add_argument("--target", default=DEFAULT_MODEL, help=f"the target model (default: {DEFAULT_MODEL})")
+    cmd.add_argument("--out", type=Path, required=True, help="output folder (data, checkpoint, the head)")
+    cmd.add_argument("--questions", type=int, default=data.num_questions,
+                     help=f"questions the target writes itself (default: {data.num_questions})")
+    cmd.add_argument("--prompts", type=Path, help="JSONL of your own prompts ({\"prompt\": ...} or {\"messages\": [...]}) "
+                                                  "instead of self-written questions")
+    cmd.add_argument("--max-response-tokens", type=int, default=data.max_response_tokens)
+    cmd.add_argument("--heldout", type=int, default=data.num_heldout,
+                     help=f"questions kept apart to measure acceptance while training (default: {data.num_heldout})")
+    cmd.add_argument("--draft-vocab", type=int, default=data.draft_vocab_size,
+                     help=f"tokens the head scores: the target's most frequent (default: {data.draft_vocab_size})")
+    cmd.add_argument("--epochs", type=float, default=train.epochs)
+    cmd.add_argument("--ttt-steps", type=int, default=train.ttt_steps,
+                     help="draft depths trained (eagle: training-time test steps; medusa: number of heads)")
+    cmd.add_argument("--learning-rate", type=float, default=train.learning_rate)
+    cmd.add_argument("--eval-every", type=float, default=train.eval_every_s, metavar="SECONDS",
+                     help="measure acceptance on held-out questions this often")
+    cmd.add_argument("--seed", type=int, default=0)
+    cmd.add_argument("--threads", type=int, help="CPU threads (default: PyTorch's, one per core)")
+    cmd.add_argument("--quiet", action="store_true", help="no progress bars")
+    cmd.set_defaults(handler=_train)
+
+
+def _train(args) -> int:
+    from draftwise.train.pipeline import DataSettings, train_head
+    from draftwise.train.trainer import TrainSettings
+
+    if args.threads is not None:
+        torch_threads(args.threads)
+    data = DataSettings(num_questions=args.questions, prompts_file=args.prompts, num_heldout=args.heldout,
+                        max_response_tokens=args.max_response_tokens, draft_vocab_size=args.draft_vocab, seed=args.seed)
+    settings = TrainSettings(epochs=args.epochs, ttt_steps=args.ttt_steps, learning_rate=args.learning_rate,
+                             eval_every_s=args.eval_every, seed=args.seed)
+    folder = train_head(args.target, args.out, data, settings, kind=args.kind, progress=not args.quiet)
+    print(f"head written to {folder}: use it with --drafter {args.kind} --head {folder}")
     return 0
 
 
@@ -167,7 +222,7 @@ def _generate(args) -> int:
                             num_draft_tokens=args.num_draft_tokens, dtype=args.dtype, quantize=args.quantize,
                             progress=not args.quiet, draft_length=args.draft_length,
                             cross_vocab_method=args.cross_vocab_method, draft_quantize=args.draft_quantize,
-                            activations=args.activations)
+                            activations=args.activations, head=args.head)
     request = [{"role": "user", "content": prompt}] if args.chat else prompt
     result = None
     for update in engine.stream(request, params):
@@ -218,6 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_generate(subparsers)
     _add_bench(subparsers)
+    _add_train(subparsers)
     _add_models(subparsers)
     return parser
 

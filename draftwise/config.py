@@ -52,7 +52,8 @@ class SamplingParams:
 # (the default) this is a ceiling: the policy verifies fewer when they would not pay off.
 # n-gram drafts cost nothing to make, and copied spans run long (RAG answers, code edits), so
 # its ceiling is high; a draft model pays a forward per token, so its ceiling is lower.
-DEFAULT_NUM_DRAFT_TOKENS = {"ngram": 10, "model": 5, "cross-vocab": 5}
+# A head's tree is a ceiling of nodes: the policy keeps as many as the measured costs pay for.
+DEFAULT_NUM_DRAFT_TOKENS = {"ngram": 10, "model": 5, "cross-vocab": 5, "eagle": 24, "medusa": 24}
 FALLBACK_NUM_DRAFT_TOKENS = 5
 DRAFT_LENGTHS = ("adaptive", "fixed")
 CROSS_VOCAB_METHODS = ("auto", "string", "intersection")  # see draftwise.drafters.cross_vocab
@@ -76,6 +77,7 @@ class SpecConfig:
     draft_length: str = "adaptive"
     cross_vocab_method: str = "auto"
     draft_quantize: str = "auto"
+    head: str | None = None  # --drafter eagle / medusa: a folder written by `draftwise train` (None: the shipped one)
 
     @property
     def max_draft_tokens(self) -> int:
@@ -98,6 +100,8 @@ class SpecConfig:
             )
         if self.drafter in ("model", "cross-vocab") and not self.draft_model:
             raise ConfigError(f"drafter={self.drafter!r} needs a draft model: pass --draft-model NAME|PATH.")
+        if self.head is not None and self.drafter not in ("eagle", "medusa"):
+            raise ConfigError(f"head={self.head!r} is only read by drafter='eagle' or 'medusa', not {self.drafter!r}.")
         if self.draft_quantize not in DRAFT_QUANTIZATIONS:
             raise ConfigError(
                 f"draft_quantize={self.draft_quantize!r} is invalid: use one of {', '.join(DRAFT_QUANTIZATIONS)}."

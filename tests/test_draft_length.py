@@ -95,3 +95,17 @@ def test_a_new_request_relearns_acceptance_but_keeps_forward_costs():
     policy.begin_request()
     assert policy.forward_s == BFLOAT16_AMX  # the hardware did not change
     assert policy.choose_before_drafting(5) > 0  # the new text gets tried
+
+
+def test_tree_size_follows_measured_costs_and_calibrated_node_scores():
+    policy = DraftLengthPolicy()
+    for tokens, seconds in [(1, 0.010), (5, 0.011), (17, 0.030)]:
+        policy.observe_forward(tokens, seconds)
+    scores = [0.9, 0.8, 0.7, 0.6] + [0.1] * 12
+    # 4 nodes: 1 + 3.0 expected tokens for 11 ms beats both 1 node (10.25 ms) and all 16 (30 ms).
+    assert policy.choose_nodes("tree", scores) == 4
+    # Trees of this kind keep failing: the calibrated scores no longer pay for any node.
+    for _ in range(40):
+        policy.observe_tree_verdict("tree", predicted=sum(scores), num_accepted=0)
+    assert policy.choose_nodes("tree", scores) == 0
+    assert policy.choose_nodes("other", scores) == 4  # calibration is per kind of tree

@@ -43,11 +43,12 @@ class BenchConfig:
     with_transformers: bool = True
     with_llama_cpp: bool = True  # when llama-cpp-python is installed and the model has a GGUF file
     quantize: tuple[str, ...] = ()  # extra rows: draftwise plain and ngram with these weight formats
-    activation_rows: tuple[str, ...] = ()  # extra rows: plain, ngram and model on the same weights, these activations
+    activation_rows: tuple[str, ...] = ()  # extra rows: plain and each drafter (ngram, model, eagle, medusa) on the same weights, these activations
     threads: int | None = None  # None: torch's current setting
     cross_vocab_draft: str | None = None  # a draft model with another tokenizer (cross-vocab rows, transformers UAG)
     cross_vocab_methods: tuple[str, ...] = ("auto",)  # a cross-vocab row per method
     drafters: tuple[str, ...] | None = None  # draftwise drafters to run (None: every registered one); plain always runs
+    heads: str | None = None  # a `draftwise train --out` folder: its eagle/ and medusa/ heads (None: the shipped ones)
 
     def __post_init__(self) -> None:
         if self.repeats < 1 or self.max_new_tokens < 1:
@@ -75,7 +76,7 @@ def build_methods(config: BenchConfig, progress: bool = True) -> tuple[list[Meth
     methods = _draftwise_methods(target, config, "", list(config.drafters or DRAFTERS), skipped, progress)
     for activations in config.activation_rows:
         rounded = loading.load(config.model, dtype=config.dtype, progress=progress, activations=activations)
-        drafters = [name for name in ("ngram", "model") if name in (config.drafters or DRAFTERS)]
+        drafters = [name for name in ("ngram", "model", "eagle", "medusa") if name in (config.drafters or DRAFTERS)]
         methods += _draftwise_methods(rounded, config, f"{activations}-act ", drafters, skipped, progress)
     for quantize in config.quantize:
         quantized = loading.load(config.model, dtype="float32", quantize=quantize, progress=progress)
@@ -100,17 +101,29 @@ def _draftwise_methods(target: LoadedModel, config: BenchConfig, label: str, dra
             try:  # a drafter that needs an option the user did not give is skipped, with the reason
                 spec = SpecConfig(drafter=name, num_draft_tokens=config.num_draft_tokens,
                                   draft_model=config.cross_vocab_draft if cross_vocab else config.draft_model,
-                                  draft_length=config.draft_length, cross_vocab_method=method)
+                                  draft_length=config.draft_length, cross_vocab_method=method,
+                                  head=_head_folder(config.heads, name))
             except ConfigError as error:
                 reason = "needs --cross-vocab-draft NAME" if cross_vocab else str(error)
                 skipped.append(f"draftwise {label}{name}: {reason}")
                 break
-            drafter = build_drafter(spec, target, dtype=config.dtype, progress=progress)
+            try:
+                drafter = build_drafter(spec, target, dtype=config.dtype, progress=progress)
+            except ConfigError as error:  # e.g. no head shipped for this model
+                skipped.append(f"draftwise {label}{name}: {error}")
+                break
             k = spec.max_draft_tokens
             kind = f"{name} {drafter.method}" if cross_vocab else name
             title = f"draftwise {label}{kind} " + (f"k<={k} adaptive" if spec.draft_length == "adaptive" else f"k={k}")
             methods.append(DraftwiseMethod(title, engine_for(spec, target, drafter), reference=plain))
     return methods
+
+
+def _head_folder(heads: str | None, drafter: str) -> str | None:
+    """The head a head drafter reads from a `draftwise train` output folder (None: shipped)."""
+    if heads is None or drafter not in ("eagle", "medusa"):
+        return None
+    return str(Path(heads) / drafter)
 
 
 def _transformers_methods(target: LoadedModel, encode, config: BenchConfig, skipped: list[str],

@@ -47,12 +47,38 @@ def _build_cross_vocab(spec: SpecConfig, target: LoadedModel, dtype: str, progre
                              spec.cross_vocab_method)
 
 
+def _build_eagle(spec: SpecConfig, target: LoadedModel, dtype: str, progress: bool) -> Drafter:
+    from draftwise.drafters.eagle import EagleDrafter
+    from draftwise.heads import head_for
+    from draftwise.heads.eagle import load_head
+
+    _check_native(target)
+    return EagleDrafter(load_head(spec.head or head_for(target.model.info.name, "eagle"), target.model), target.model)
+
+
+def _build_medusa(spec: SpecConfig, target: LoadedModel, dtype: str, progress: bool) -> Drafter:
+    from draftwise.drafters.medusa import MedusaDrafter
+    from draftwise.heads import head_for
+    from draftwise.heads.medusa import load_medusa
+
+    _check_native(target)
+    return MedusaDrafter(load_medusa(spec.head or head_for(target.model.info.name, "medusa"), target.model), target.model)
+
+
+def _check_native(target: LoadedModel) -> None:
+    if not hasattr(target.model, "shape"):
+        raise ConfigError(f"{target.model.info.name} runs through the transformers fallback, which cannot feed a "
+                          "head its hidden states: use --drafter ngram, model or cross-vocab.")
+
+
 # name -> factory(spec, target, dtype, progress); None means plain decoding.
 DRAFTERS: dict[str, Callable[[SpecConfig, LoadedModel, str, bool], Drafter] | None] = {
     "none": None,
     "ngram": _build_ngram,
     "model": _build_model,
     "cross-vocab": _build_cross_vocab,
+    "eagle": _build_eagle,
+    "medusa": _build_medusa,
 }
 
 

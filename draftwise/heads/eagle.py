@@ -44,6 +44,9 @@ class EagleConfig:
     target_vocab_size: int
     kind: str = "eagle"
     format_version: int = FORMAT_VERSION
+    # The LM head is the target's own rows for the draft vocabulary, frozen in training: not
+    # stored, filled from the target at load (10 MB less for SmolLM2).
+    lm_head_from_target: bool = True
     training: dict = field(default_factory=dict)  # how it was trained: data, steps, measured acceptance
 
     def __post_init__(self) -> None:
@@ -103,6 +106,14 @@ class EagleHead(nn.Module):
         self.lm_head = nn.Linear(h, c.draft_vocab_size, bias=False)
         self.register_buffer("draft_to_target", torch.arange(c.draft_vocab_size))  # [draft vocab] target ids
 
+    def fuse_features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's hidden states [R, layers * hidden] -> the feature [R, hidden]. Each layer's
+        state is scaled to unit RMS first: residual streams reach 1e4 in a few channels."""
+        c = self.config
+        layered = hidden.float().view(hidden.shape[0], len(c.hidden_layers), c.hidden_size)
+        layered = layered * torch.rsqrt(layered.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps)
+        return self.fuse(layered.view(hidden.shape[0], -1))
+
     def project(self, features: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor):
         """A row's input and its query/key/value: features, token_embeds [R, hidden] ->
         (x [R, hidden], q [R, heads, d], k [R, kv_heads, d], v [R, kv_heads, d])."""
@@ -132,27 +143,49 @@ class EagleHead(nn.Module):
 
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        state = {name: tensor.detach().contiguous() for name, tensor in self.state_dict().items()}
-        save_file({n: (t.to(torch.bfloat16) if t.is_floating_point() else t) for n, t in state.items()},
-                  folder / WEIGHTS_NAME)
+        save_file(head_state(self), folder / WEIGHTS_NAME)
         (folder / CONFIG_NAME).write_text(json.dumps(asdict(self.config), indent=2) + "\n")
         return folder
 
 
-def load_head(folder: str | Path) -> EagleHead:
-    """A head saved by EagleHead.save (`draftwise train`): head.json + head.safetensors."""
+def head_state(head: nn.Module) -> dict[str, torch.Tensor]:
+    """What a head file stores: bfloat16 weights (the head's numerics never reach the output),
+    integer buffers as they are, and no LM head when it is the target's own."""
+    return {name: (tensor.detach().to(torch.bfloat16) if tensor.is_floating_point() else tensor.detach()).contiguous()
+            for name, tensor in head.state_dict().items()
+            if not (name == "lm_head.weight" and head.config.lm_head_from_target)}
+
+
+def read_head_files(folder: str | Path, kind: str, format_version: int) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A head folder's config fields and float32 tensors, or a clear error."""
     from safetensors.torch import load_file
 
     folder = Path(folder)
     config_path, weights_path = folder / CONFIG_NAME, folder / WEIGHTS_NAME
     if not config_path.is_file() or not weights_path.is_file():
         raise ConfigError(f"{folder} is not a draft head: it needs {CONFIG_NAME} and {WEIGHTS_NAME} "
-                          "(as written by `draftwise train`).")
+                          "(as written by `draftwise train` into OUT/eagle or OUT/medusa).")
     fields = json.loads(config_path.read_text())
-    if fields.get("format_version") != FORMAT_VERSION or fields.get("kind") != "eagle":
+    if fields.get("format_version") != format_version or fields.get("kind") != kind:
         raise ConfigError(f"{config_path} is a {fields.get('kind')!r} head of format {fields.get('format_version')}; "
-                          f"this draftwise reads 'eagle' heads of format {FORMAT_VERSION}: retrain it with `draftwise train`.")
-    head = EagleHead(EagleConfig(**fields))
-    state = {name: tensor.float() if tensor.is_floating_point() else tensor for name, tensor in load_file(weights_path).items()}
-    head.load_state_dict(state)
+                          f"this reads {kind!r} heads of format {format_version}: retrain it with "
+                          f"`draftwise train --kind {kind}`.")
+    tensors = {name: tensor.float() if tensor.is_floating_point() else tensor for name, tensor in load_file(weights_path).items()}
+    return fields, tensors
+
+
+def fill_lm_head(head: nn.Module, tensors: dict[str, torch.Tensor], target_model) -> nn.Module:
+    """Load tensors into head, checking the target first and taking its LM head rows if not stored."""
+    from draftwise.heads import check_target, lm_head_rows
+
+    check_target(head.config, target_model)
+    if head.config.lm_head_from_target:
+        tensors = {**tensors, "lm_head.weight": lm_head_rows(target_model, tensors["draft_to_target"])}
+    head.load_state_dict(tensors)
     return head.eval()
+
+
+def load_head(folder: str | Path, target_model) -> EagleHead:
+    """A head saved by EagleHead.save (`draftwise train`) for target_model: head.json + head.safetensors."""
+    fields, tensors = read_head_files(folder, "eagle", FORMAT_VERSION)
+    return fill_lm_head(EagleHead(EagleConfig(**fields)), tensors, target_model)

@@ -1,0 +1,43 @@
+"""Draft heads that read the target's hidden states, and the heads shipped with draftwise."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from draftwise.errors import ConfigError
+
+SHIPPED = Path(__file__).resolve().parent / "shipped"  # shipped/<target registry name>/<kind>/
+
+
+def head_for(target_name: str, kind: str) -> Path:
+    """The head of this kind shipped for a packaged target, or a clear error saying how to train one."""
+    folder = SHIPPED / target_name / kind
+    if not (folder / "head.json").is_file():
+        shipped = sorted(f"{p.parent.name}/{p.name}" for p in SHIPPED.glob("*/*") if p.is_dir()) if SHIPPED.is_dir() else []
+        raise ConfigError(f"no {kind} head is shipped for {target_name} (shipped: {', '.join(shipped) or 'none'}): "
+                          f"train one with `draftwise train --kind {kind} --target {target_name} --out DIR` "
+                          f"and pass --head DIR/{kind}.")
+    return folder
+
+
+def check_target(config, target_model) -> None:
+    """Refuse a head trained for another target (its hidden size, vocabulary or layers differ)."""
+    shape = target_model.shape
+    if config.hidden_size != shape.hidden_size or config.target_vocab_size != shape.vocab_size or \
+            max(config.hidden_layers) > shape.num_layers:
+        raise ConfigError(
+            f"the {config.kind} head was trained for {config.target!r} (hidden size {config.hidden_size}, vocabulary "
+            f"{config.target_vocab_size}), not for {target_model.info.name} (hidden size {shape.hidden_size}, "
+            f"vocabulary {shape.vocab_size}): train one with `draftwise train --kind {config.kind} "
+            f"--target {target_model.info.name}`."
+        )
+
+
+def lm_head_rows(target_model, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of the target's LM head as float32 [len(ids), hidden], whatever its weight format."""
+    weight = target_model.lm_head.weight
+    if hasattr(weight, "rows"):  # GGUF / quantized blocks
+        return weight.rows(ids)
+    return weight.detach()[ids].float()

@@ -1,0 +1,197 @@
+"""`draftwise train`: data (self-distillation), a draft vocabulary, the head, training, the files.
+
+Two kinds of head: "eagle" (heads/eagle.py, the default) and "medusa" (heads/medusa.py).
+
+Everything lands in one output folder: data.pt (the generated conversations and recorded hidden
+states, so a resumed run, or the other kind of head, does not regenerate them),
+checkpoint-KIND.pt (head, optimizer and progress, rewritten atomically every few minutes), and
+the result, KIND/head.json + KIND/head.safetensors, which `--drafter KIND --head OUT/KIND`
+loads. Rerunning the same command resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from draftwise.errors import ConfigError
+from draftwise.heads.eagle import EagleConfig, EagleHead
+from draftwise.heads.medusa import MedusaConfig, MedusaHeads
+from draftwise.train import data as datagen
+from draftwise.train.losses import eagle_loss, medusa_loss
+from draftwise.train.trainer import TrainSettings, TrainState, draft_vocabulary, load_checkpoint, save_checkpoint, train
+
+KINDS = ("eagle", "medusa")
+
+
+@dataclass(frozen=True, slots=True)
+class DataSettings:
+    num_questions: int = 1024  # Magpie questions the target writes (ignored with prompts_file)
+    prompts_file: Path | None = None  # the user's own prompts (JSONL), instead of Magpie questions
+    max_response_tokens: int = 160
+    num_heldout: int = 12  # questions kept apart to measure acceptance during training
+    draft_vocab_size: int = 8192
+    batch_size: int = 128  # conversations generated at once
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_heldout < 1:
+            raise ConfigError(f"num_heldout={self.num_heldout}: keep at least 1 question apart to measure acceptance.")
+        if self.num_questions < self.num_heldout + 8 and self.prompts_file is None:
+            raise ConfigError(f"num_questions={self.num_questions} is too few: use at least {self.num_heldout + 8}.")
+        if self.draft_vocab_size < 16:
+            raise ConfigError(f"draft_vocab_size={self.draft_vocab_size} is too small: use 16 or more (e.g. 8192).")
+
+
+def _bench_texts() -> set[str]:
+    from draftwise.bench.suite import default_prompt_dir, load_suite
+
+    folder = default_prompt_dir()
+    if not folder.is_dir():
+        return set()
+    return {m.get("content", "").strip() for p in load_suite(folder) for m in p.messages}
+
+
+def make_data(target, data_settings: DataSettings, layers: tuple[int, ...], progress: bool) -> dict:
+    """Questions, the target's answers and its hidden states; timings in seconds."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    timings = {}
+    started = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(target.folder)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    # Generation in bfloat16 (about 2x faster here); the labels come from the float32 pass below.
+    generator_model = AutoModelForCausalLM.from_pretrained(target.folder, dtype=torch.bfloat16).eval()
+    if data_settings.prompts_file is not None:
+        chats = datagen.read_prompts(data_settings.prompts_file)
+    else:
+        questions = datagen.write_questions(generator_model, tokenizer, data_settings.num_questions,
+                                            min(data_settings.batch_size, data_settings.num_questions),
+                                            data_settings.seed, progress=progress)
+        chats = [[{"role": "user", "content": question}] for question in questions]
+    chats, dropped = datagen.drop_bench_prompts(chats, _bench_texts())
+    timings["questions_s"] = time.perf_counter() - started
+    if len(chats) <= data_settings.num_heldout:
+        raise ConfigError(f"{len(chats)} prompts leave none to train on after holding out {data_settings.num_heldout}: "
+                          "give more prompts or a smaller --heldout.")
+    heldout, chats = chats[: data_settings.num_heldout], chats[data_settings.num_heldout:]
+    tic = time.perf_counter()
+    conversations = datagen.answer(generator_model, tokenizer, chats, data_settings.max_response_tokens,
+                                   data_settings.batch_size, progress=progress)
+    timings["answers_s"] = time.perf_counter() - tic
+    del generator_model
+    tic = time.perf_counter()
+    scoring_model = AutoModelForCausalLM.from_pretrained(target.folder, dtype=torch.float32).eval()
+    examples = datagen.record_features(scoring_model, conversations, layers, batch_size=16, progress=progress)
+    timings["hidden_states_s"] = time.perf_counter() - tic
+    embed = scoring_model.get_input_embeddings().weight.detach().float().clone()  # [vocab, hidden]
+    lm_head = scoring_model.get_output_embeddings().weight.detach().float()
+    return {"examples": examples, "layers": layers, "heldout": heldout, "embed": embed, "lm_head": lm_head,
+            "timings": timings,
+            "num_bench_prompts_dropped": dropped,
+            "num_tokens": sum(e.tokens.shape[0] for e in examples),
+            "num_answer_tokens": sum(e.tokens.shape[0] - e.num_prompt_tokens for e in examples)}
+
+
+def acceptance_on(target, drafter_factory, chats: list, max_new_tokens: int = 64, num_nodes: int = 16) -> dict:
+    """Mean accepted length (tokens committed per target forward) of greedy decoding with the
+    head's drafter verifying num_nodes-node trees, on chats the head never trained on."""
+    from draftwise.config import SamplingParams
+    from draftwise.engine import Engine
+
+    engine = Engine(target, drafter_factory(), num_nodes)
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    committed = forwards = 0
+    for chat in chats:
+        metrics = engine.generate(chat, params).metrics
+        committed += metrics.num_committed_tokens
+        forwards += metrics.num_target_forwards
+    return {"mean_accepted_length": round(committed / max(1, forwards), 3)}
+
+
+def _features_for(bundle: dict, target, layers: tuple[int, ...], progress: bool) -> list[datagen.Example]:
+    """The bundle's conversations with hidden states at `layers`: recorded again if it holds others."""
+    from transformers import AutoModelForCausalLM
+
+    recorded = tuple(bundle.get("layers", ()))
+    if recorded == layers:
+        return bundle["examples"]
+    if set(layers) <= set(recorded):  # a subset: slice the recorded features
+        hidden = bundle["examples"][0].features.shape[1] // len(recorded)
+        columns = torch.cat([torch.arange(recorded.index(l) * hidden, (recorded.index(l) + 1) * hidden) for l in layers])
+        return [replace(e, features=e.features[:, columns]) for e in bundle["examples"]]
+    conversations = [datagen.Conversation(e.tokens[: e.num_prompt_tokens].tolist(), e.tokens[e.num_prompt_tokens:].tolist())
+                     for e in bundle["examples"]]
+    model = AutoModelForCausalLM.from_pretrained(target.folder, dtype=torch.float32).eval()
+    return datagen.record_features(model, conversations, layers, batch_size=16, progress=progress)
+
+
+def train_head(target_name: str, output: Path, data_settings: DataSettings = DataSettings(),
+               settings: TrainSettings = TrainSettings(), kind: str = "eagle", progress: bool = True) -> Path:
+    from draftwise.drafters.eagle import EagleDrafter
+    from draftwise.drafters.medusa import MedusaDrafter
+    from draftwise.models import loading
+
+    if kind not in KINDS:
+        raise ConfigError(f"kind={kind!r} is not a head kind: use one of {', '.join(KINDS)}.")
+    output = Path(output)
+    output.mkdir(parents=True, exist_ok=True)
+    target = loading.load(target_name, dtype="auto", progress=progress)
+    if not hasattr(target.model, "shape"):
+        raise ConfigError(f"{target_name} runs through the transformers fallback: heads need the native decoder "
+                          "(llama, qwen2, mistral architectures).")
+    vocab_size = data_settings.draft_vocab_size
+    if kind == "eagle":
+        layers = EagleConfig.for_target(target.model, target_name, vocab_size).hidden_layers
+    else:
+        layers = MedusaConfig.for_target(target.model, target_name, vocab_size, settings.ttt_steps).hidden_layers
+    data_path = output / "data.pt"
+    if data_path.is_file():
+        bundle = torch.load(data_path, weights_only=False)
+        bundle.setdefault("layers", EagleConfig.for_target(target.model, target_name, vocab_size).hidden_layers)
+        if progress:
+            print(f"reusing {len(bundle['examples'])} conversations from {data_path}")
+    else:
+        bundle = make_data(target, data_settings, layers, progress)
+        torch.save(bundle, data_path)
+    examples, embed = _features_for(bundle, target, layers, progress), bundle["embed"]
+    vocabulary = draft_vocabulary(examples, min(vocab_size, embed.shape[0]), always=list(target.model.info.eos_token_ids))
+    torch.manual_seed(settings.seed)
+    if kind == "eagle":
+        config = EagleConfig.for_target(target.model, target_name, vocabulary.shape[0])
+        head = EagleHead(config)
+    else:
+        config = MedusaConfig.for_target(target.model, target_name, vocabulary.shape[0], settings.ttt_steps)
+        head = MedusaHeads(config)
+    head.draft_to_target.copy_(vocabulary)  # before the loss maps labels through it
+    with torch.no_grad():
+        head.lm_head.weight.copy_(bundle["lm_head"][vocabulary])  # the target's own LM head rows ...
+    head.lm_head.weight.requires_grad_(False)  # ... kept as they are (as EAGLE does): 15% faster steps here
+    if kind == "eagle":
+        loss_fn = eagle_loss(head, embed, settings.ttt_steps)
+        # A generous tree (8 children x 6 deep) measures what the head knows, not what a step can afford.
+        drafter_factory = lambda: EagleDrafter(head, target.model, top_k=8, depth=6)  # noqa: E731
+    else:
+        loss_fn = medusa_loss(head, embed.shape[0])
+        drafter_factory = lambda: MedusaDrafter(head, target.model)  # noqa: E731
+    checkpoint = output / f"checkpoint-{kind}.pt"
+    state = load_checkpoint(checkpoint, head) if checkpoint.is_file() else TrainState()
+
+    def save(state: TrainState, optimizer_state: dict) -> None:
+        save_checkpoint(checkpoint, head, state, optimizer_state)
+
+    state = train(head, loss_fn, examples, settings, state, save,
+                  lambda: acceptance_on(target, drafter_factory, bundle["heldout"]), progress=progress)
+    head.config = replace(config, training={
+        "conversations": len(examples), "tokens": bundle["num_tokens"], "answer_tokens": bundle["num_answer_tokens"],
+        "data_timings_s": {k: round(v, 1) for k, v in bundle["timings"].items()},
+        "train_s": round(state.elapsed_s, 1), "steps": state.step, "epochs": settings.epochs,
+        "ttt_steps": settings.ttt_steps, "learning_rate": settings.learning_rate, "curve": state.curve,
+        "bench_prompts_dropped": bundle["num_bench_prompts_dropped"],
+    })
+    return head.save(output / kind)

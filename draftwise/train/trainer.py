@@ -1,0 +1,129 @@
+"""The training loop for draft heads: AdamW, warmup then cosine, gradient accumulation over
+sequences, held-out acceptance measured as it goes, atomic resumable checkpoints. What a head
+learns from one sequence is its loss function's business (train/losses.py)."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from draftwise.train.data import Example
+
+from draftwise.train.losses import LossFunction
+
+
+@dataclass(frozen=True, slots=True)
+class TrainSettings:
+    epochs: float = 4.5
+    ttt_steps: int = 4  # draft depths trained (EAGLE's training-time test; Medusa: its number of heads)
+    learning_rate: float = 1e-3
+    warmup_steps: int = 50
+    sequences_per_step: int = 4  # gradient accumulation: one sequence at a time, averaged
+    eval_every_s: float = 300.0
+    checkpoint_every_s: float = 120.0
+    seed: int = 0
+
+
+@dataclass(slots=True)
+class TrainState:
+    step: int = 0
+    examples_seen: int = 0
+    elapsed_s: float = 0.0  # training time so far, over resumed runs
+    curve: list[dict] = field(default_factory=list)  # {"train_s", "step", "mean_accepted_length", ...}
+    optimizer: dict | None = None  # AdamW's state when resumed from a checkpoint
+
+
+def draft_vocabulary(examples: list[Example], size: int, always: list[int]) -> torch.Tensor:
+    """The `size` target ids the target writes most often in the answers (plus `always`) -> [size]."""
+    counts = torch.zeros(int(max(int(e.labels.max()) for e in examples)) + 1, dtype=torch.long)
+    for example in examples:
+        answer_labels = example.labels[example.num_prompt_tokens - 1:]
+        counts += torch.bincount(answer_labels, minlength=counts.shape[0])[: counts.shape[0]]
+    for token in always:
+        if token < counts.shape[0]:
+            counts[token] = counts.max() + 1
+    ranked = counts.argsort(descending=True)
+    return ranked[:size].sort().values
+
+
+def train(head: torch.nn.Module, loss_fn: LossFunction, examples: list[Example], settings: TrainSettings,
+          state: TrainState, save: Callable[[TrainState, dict], None], evaluate: Callable[[], dict] | None,
+          progress: bool = True) -> TrainState:
+    """Train in place from `state` (a fresh one, or a checkpoint's); calls save(state, optimizer
+    state) every checkpoint_every_s and at the end, evaluate() every eval_every_s."""
+    total_steps = max(1, math.ceil(settings.epochs * len(examples) / settings.sequences_per_step))
+    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=settings.learning_rate,
+                                  betas=(0.9, 0.95), weight_decay=0.0)
+    if state.optimizer:
+        optimizer.load_state_dict(state.optimizer)
+        state.optimizer = None
+
+    def learning_rate(step: int) -> float:
+        if step < settings.warmup_steps:
+            return settings.learning_rate * (step + 1) / settings.warmup_steps
+        share = (step - settings.warmup_steps) / max(1, total_steps - settings.warmup_steps)
+        return settings.learning_rate * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, share))))
+
+    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(settings.seed))
+    head.train()
+    bar = tqdm(total=total_steps, initial=state.step, desc="training head", unit="step", disable=not progress)
+    started = time.perf_counter() - state.elapsed_s
+    last_checkpoint = last_eval = time.perf_counter()
+    step_counts: list[tuple[int, int]] = [(0, 0)] * settings.ttt_steps
+    while state.step < total_steps:
+        optimizer.zero_grad(set_to_none=True)
+        for _ in range(settings.sequences_per_step):
+            example = examples[int(order[state.examples_seen % len(examples)])]
+            state.examples_seen += 1
+            loss, counts = loss_fn(example)
+            if loss.requires_grad:
+                (loss / settings.sequences_per_step).backward()
+            step_counts = [(a + c, b + n) for (a, b), (c, n) in zip(step_counts, counts + [(0, 0)] * len(step_counts))]
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(state.step)
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        optimizer.step()
+        state.step += 1
+        state.elapsed_s = time.perf_counter() - started
+        bar.update(1)
+        if state.step % 10 == 0:
+            bar.set_postfix(acc=" ".join(f"{a / b:.2f}" if b else "-" for a, b in step_counts))
+            step_counts = [(0, 0)] * settings.ttt_steps
+        now = time.perf_counter()
+        done = state.step >= total_steps
+        if evaluate is not None and (now - last_eval >= settings.eval_every_s or done):
+            head.eval()
+            point = {"train_s": round(state.elapsed_s, 1), "step": state.step, **evaluate()}
+            head.train()
+            state.curve.append(point)
+            bar.write(f"after {point['train_s']:.0f} s of training: {point}")
+            started += time.perf_counter() - now  # evaluation is not training time
+            last_eval = time.perf_counter()
+        if now - last_checkpoint >= settings.checkpoint_every_s or done:
+            state.elapsed_s = time.perf_counter() - started
+            save(state, optimizer.state_dict())
+            last_checkpoint = time.perf_counter()
+    bar.close()
+    head.eval()
+    return state
+
+
+def save_checkpoint(path: Path, head: torch.nn.Module, state: TrainState, optimizer_state: dict) -> None:
+    """Atomically: a crash while writing never loses the previous checkpoint."""
+    temporary = path.with_suffix(".tmp")
+    torch.save({"head": head.state_dict(), "state": {"step": state.step, "examples_seen": state.examples_seen,
+                                                     "elapsed_s": state.elapsed_s, "curve": state.curve},
+                "optimizer": optimizer_state}, temporary)
+    temporary.replace(path)
+
+
+def load_checkpoint(path: Path, head: torch.nn.Module) -> TrainState:
+    saved = torch.load(path, weights_only=False)
+    head.load_state_dict(saved["head"])
+    return TrainState(**saved["state"], optimizer=saved["optimizer"])

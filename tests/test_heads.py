@@ -1,0 +1,76 @@
+"""The EAGLE head shipped for SmolLM2-135M: greedy speculation with its trees (and chains) equals
+plain greedy decoding on the 12 core prompts, sampling through its trees stays exact, and it
+really drafts (tokens accepted per forward well above one). No Medusa heads are shipped yet:
+tests/test_train.py trains some and checks them."""
+
+from __future__ import annotations
+
+import pytest
+
+from draftwise.config import SamplingParams, SpecConfig
+from draftwise.draft_length import DraftLengthPolicy
+from draftwise.drafters import build_drafter
+from draftwise.drafters.eagle import EagleDrafter
+from draftwise.engine import Engine
+from draftwise.errors import ConfigError
+from draftwise.heads import head_for
+from draftwise.heads.eagle import load_head
+from tests.conftest import PROMPTS
+
+PARAMS = SamplingParams(max_new_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(smollm2) -> list[list[int]]:
+    engine = Engine(smollm2)
+    return [engine.generate(prompt, PARAMS).token_ids for prompt in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def eagle_head(smollm2):
+    return load_head(head_for("smollm2-135m", "eagle"), smollm2.model)
+
+
+@pytest.mark.parametrize("shape", ["tree", "chain"])
+def test_eagle_speculation_equals_plain_greedy(smollm2, plain_outputs, eagle_head, shape):
+    # top_k=1: one child per node, a chain drawn through the same tree path.
+    drafter = EagleDrafter(eagle_head, smollm2.model, top_k=1 if shape == "chain" else 8, depth=6)
+    engine = Engine(smollm2, drafter, num_draft_tokens=16)
+    results = [engine.generate(prompt, PARAMS) for prompt in PROMPTS]
+    for prompt, result, expected in zip(PROMPTS, results, plain_outputs):
+        assert result.token_ids == expected, f"prompt {prompt!r}"
+    committed = sum(r.metrics.num_committed_tokens for r in results)
+    forwards = sum(r.metrics.num_target_forwards for r in results)
+    assert committed / forwards > 1.3  # the head really drafts: well above plain decoding's 1.0
+
+
+def test_eagle_with_the_adaptive_policy_equals_plain_greedy(smollm2, plain_outputs):
+    spec = SpecConfig(drafter="eagle")
+    engine = Engine(smollm2, build_drafter(spec, smollm2), spec.max_draft_tokens, DraftLengthPolicy())
+    for prompt, expected in zip(PROMPTS, plain_outputs):
+        assert engine.generate(prompt, PARAMS).token_ids == expected
+
+
+def test_sampling_through_eagle_trees_with_top_k_one_is_greedy(smollm2, plain_outputs, eagle_head):
+    engine = Engine(smollm2, EagleDrafter(eagle_head, smollm2.model), 16)
+    params = SamplingParams(max_new_tokens=24, temperature=0.8, top_k=1, seed=3)
+    for prompt, expected in zip(PROMPTS[:4], plain_outputs[:4]):
+        assert engine.generate(prompt, params).token_ids == expected
+
+
+def test_seeded_sampling_through_eagle_trees_is_reproducible(smollm2, eagle_head):
+    engine = Engine(smollm2, EagleDrafter(eagle_head, smollm2.model), 16)
+    params = SamplingParams(max_new_tokens=32, temperature=1.0, top_p=0.9, seed=11)
+    assert engine.generate(PROMPTS[0], params).token_ids == engine.generate(PROMPTS[0], params).token_ids
+
+
+def test_no_shipped_head_for_a_target_names_the_training_command():
+    with pytest.raises(ConfigError, match="draftwise train --kind eagle --target qwen2.5-coder-1.5b"):
+        head_for("qwen2.5-coder-1.5b", "eagle")
+    with pytest.raises(ConfigError, match="no medusa head is shipped for smollm2-135m"):
+        head_for("smollm2-135m", "medusa")
+
+
+def test_head_option_is_refused_for_drafters_without_heads():
+    with pytest.raises(ConfigError, match="only read by drafter='eagle' or 'medusa'"):
+        SpecConfig(drafter="ngram", head="somewhere")

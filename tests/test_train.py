@@ -1,0 +1,100 @@
+"""`draftwise train` end to end on a tiny budget: data from the user's prompts, answers and hidden
+states from the real SmolLM2, a head trained, checkpointed, resumed and loaded by its drafter."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from draftwise.cli import main
+from draftwise.config import SamplingParams
+from draftwise.drafters.eagle import EagleDrafter
+from draftwise.drafters.medusa import MedusaDrafter
+from draftwise.engine import Engine
+from draftwise.errors import ConfigError
+from draftwise.heads.eagle import load_head
+from draftwise.heads.medusa import load_medusa
+from draftwise.train.data import drop_bench_prompts, read_prompts
+
+PROMPTS = ["What is the capital of Italy?", "Name three colours.", "How many legs does a spider have?",
+           "Write a haiku about snow.", "What is 12 plus 30?", "Translate 'good night' to Spanish.",
+           "Give me a synonym for happy.", "Why is the sky blue?", "List two prime numbers.",
+           "What do bees make?", "Say hello in French.", "What is the opposite of cold?"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("train")
+    prompts = folder / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    common = ["--target", "smollm2-135m", "--out", str(folder / "out"), "--prompts", str(prompts),
+              "--max-response-tokens", "24", "--draft-vocab", "512", "--heldout", "2", "--quiet"]
+    assert main(["train", *common, "--epochs", "1"]) == 0
+    first = json.loads((folder / "out" / "eagle" / "head.json").read_text())["training"]
+    # Rerunning with more epochs resumes from the checkpoint instead of starting over.
+    assert main(["train", *common, "--epochs", "2"]) == 0
+    second = json.loads((folder / "out" / "eagle" / "head.json").read_text())["training"]
+    assert main(["train", *common, "--kind", "medusa", "--epochs", "1"]) == 0
+    return folder / "out", first, second
+
+
+def test_training_writes_a_head_with_its_record_and_resumes(trained):
+    out, first, second = trained
+    assert (out / "data.pt").is_file() and (out / "checkpoint-eagle.pt").is_file()
+    assert second["steps"] > first["steps"] > 0
+    assert second["curve"][: len(first["curve"])] == first["curve"]  # the first run's points were kept
+    assert all(point["mean_accepted_length"] >= 1.0 for point in second["curve"])
+    assert second["conversations"] == len(PROMPTS) - 2  # two held out to measure acceptance
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_trained_heads_load_and_draft_losslessly(trained, smollm2, kind):
+    out, _, _ = trained
+    drafter = EagleDrafter(load_head(out / "eagle", smollm2.model), smollm2.model) if kind == "eagle" else \
+        MedusaDrafter(load_medusa(out / "medusa", smollm2.model), smollm2.model)
+    params = SamplingParams(max_new_tokens=20)
+    prompt = [{"role": "user", "content": "Tell me about cats."}]
+    expected = Engine(smollm2).generate(prompt, params).token_ids
+    assert Engine(smollm2, drafter, 12).generate(prompt, params).token_ids == expected
+
+
+def test_bench_prompts_are_never_training_data(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "keep me"}) + "\n" + json.dumps({"messages": [{"role": "user", "content": "bench"}]}) + "\n")
+    kept, dropped = drop_bench_prompts(read_prompts(path), {"bench"})
+    assert kept == [[{"role": "user", "content": "keep me"}]] and dropped == 1
+
+
+def test_a_malformed_prompts_file_is_refused_with_its_line(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "ok"}\n{"text": "no"}\n')
+    with pytest.raises(ConfigError, match=r"p.jsonl:2"):
+        read_prompts(path)
+
+
+def test_a_head_for_another_target_is_refused(trained, qwen_0_5b):
+    out, _, _ = trained
+    with pytest.raises(ConfigError, match="trained for 'smollm2-135m'"):
+        load_head(out / "eagle", qwen_0_5b.model)
+    with pytest.raises(ConfigError, match="not a draft head"):
+        load_head(out, qwen_0_5b.model)  # the output folder itself holds no head.json
+
+
+def test_losses_map_labels_through_the_vocabulary_the_head_has_when_scoring(smollm2):
+    # A head whose draft vocabulary is set AFTER its loss function was made must still be
+    # trained on labels in that vocabulary (the order the pipeline once got wrong).
+    from draftwise.heads.eagle import EagleConfig, EagleHead
+    from draftwise.train.data import Example
+    from draftwise.train.losses import eagle_loss
+
+    head = EagleHead(EagleConfig.for_target(smollm2.model, "smollm2-135m", 16))
+    embed = torch.randn(smollm2.model.shape.vocab_size, smollm2.model.shape.hidden_size)
+    loss_fn = eagle_loss(head, embed, ttt_steps=1)
+    labels = torch.tensor([40000 + i for i in range(8)])  # ids far outside an identity map of 16
+    example = Example(torch.arange(8), torch.zeros(8, 3 * smollm2.model.shape.hidden_size, dtype=torch.bfloat16),
+                      labels, num_prompt_tokens=1)
+    head.draft_to_target.copy_(torch.arange(40000, 40016))
+    _, counts = loss_fn(example)
+    assert counts[0][1] == 7  # rows 0..6 score labels 1..7, all in the vocabulary (an identity map counts none)
