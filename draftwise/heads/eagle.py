@@ -139,13 +139,18 @@ class EagleHead(nn.Module):
         return self.lm_head(self.norm(outputs))
 
     def save(self, folder: str | Path) -> Path:
-        from safetensors.torch import save_file
+        return save_head(self, folder)
 
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        save_file(head_state(self), folder / WEIGHTS_NAME)
-        (folder / CONFIG_NAME).write_text(json.dumps(asdict(self.config), indent=2) + "\n")
-        return folder
+
+def save_head(head: nn.Module, folder: str | Path) -> Path:
+    """Write a head (EAGLE or Medusa) as folder/head.json + folder/head.safetensors."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(head_state(head), folder / WEIGHTS_NAME)
+    (folder / CONFIG_NAME).write_text(json.dumps(asdict(head.config), indent=2) + "\n")
+    return folder
 
 
 def head_state(head: nn.Module) -> dict[str, torch.Tensor]:

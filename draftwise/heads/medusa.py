@@ -13,15 +13,14 @@ states trains both kinds of head.
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftwise.heads.eagle import CONFIG_NAME, WEIGHTS_NAME, RMSNorm, fill_lm_head, head_state, read_head_files
+from draftwise.heads.eagle import RMSNorm, fill_lm_head, read_head_files, save_head
 
 FORMAT_VERSION = 1
 
@@ -72,13 +71,7 @@ class MedusaHeads(nn.Module):
         return torch.stack([self.lm_head(hidden + F.silu(block(hidden))) for block in self.blocks])
 
     def save(self, folder: str | Path) -> Path:
-        from safetensors.torch import save_file
-
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        save_file(head_state(self), folder / WEIGHTS_NAME)
-        (folder / CONFIG_NAME).write_text(json.dumps(asdict(self.config), indent=2) + "\n")
-        return folder
+        return save_head(self, folder)
 
 
 def load_medusa(folder: str | Path, target_model) -> MedusaHeads:
