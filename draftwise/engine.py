@@ -177,9 +177,11 @@ class Engine:
         num_proposed = draft.tokens.shape[0]
         # The cache holds every committed token but the last; score it and the draft at once.
         inputs = torch.cat((context[-1:], draft.tokens))  # [1 + n]
+        # A chain's depth is its length; a tree node sits one position past its parent.
+        depths = tree.depths(draft.parents) if draft.is_tree else torch.arange(1, num_proposed + 1)
         if draft.is_tree:
-            # Each node sits one position past its parent and sees only its ancestors.
-            positions = num_committed - 1 + torch.cat((torch.zeros(1, dtype=torch.long), tree.depths(draft.parents)))
+            # Each node sees only its ancestors.
+            positions = num_committed - 1 + torch.cat((torch.zeros(1, dtype=torch.long), depths))
             mask = tree.ancestor_mask(draft.parents)  # [1 + n, 1 + n]
         else:
             positions = torch.arange(num_committed - 1, num_committed + num_proposed)
@@ -206,8 +208,8 @@ class Engine:
             self.drafter.observe(hidden[[0] + [node + 1 for node in path]])  # the newly committed rows
         metrics.draft_s += toc - tic
         metrics.verify_s += time.perf_counter() - toc
-        depth = int(tree.depths(draft.parents).max()) if draft.is_tree and num_proposed else num_proposed
-        metrics.record_step(num_proposed, verdict.num_accepted, verdict.num_accepted + 1, depth)
+        metrics.record_step(num_proposed, verdict.num_accepted, verdict.num_accepted + 1,
+                            int(depths.max()) if num_proposed else 0)
         return draft.tokens[path].tolist() + [verdict.next_token]
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor | None,

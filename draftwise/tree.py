@@ -54,3 +54,22 @@ def children_lists(parents: torch.Tensor) -> list[list[int]]:
     for node, parent in enumerate(parents.tolist()):
         children[parent + 1].append(node)
     return children
+
+
+def best_nodes(parents: list[int], scores: list[float], depths: list[int], num_nodes: int) -> tuple[list[int], list[int]]:
+    """The num_nodes best-scored nodes of a candidate tree whose scores never rise from parent to
+    child (log path probabilities), as a tree again: (chosen node ids best first, their parents
+    re-indexed into that order). Sorting by (-score, depth) puts every parent before its children."""
+    order = sorted(range(len(parents)), key=lambda node: (-scores[node], depths[node]))[:num_nodes]
+    chosen = set(order)
+    order = [node for node in order if _ancestors_chosen(node, parents, chosen)]
+    index_of = {node: index for index, node in enumerate(order)}
+    return order, [index_of[parents[node]] if parents[node] >= 0 else -1 for node in order]
+
+
+def _ancestors_chosen(node: int, parents: list[int], chosen: set[int]) -> bool:
+    while parents[node] >= 0:
+        node = parents[node]
+        if node not in chosen:
+            return False
+    return True

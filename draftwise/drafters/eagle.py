@@ -19,6 +19,7 @@ from draftwise.drafters.base import Draft, empty_draft
 from draftwise.errors import ConfigError
 from draftwise.heads import check_target
 from draftwise.heads.eagle import EagleHead
+from draftwise.tree import best_nodes
 
 
 def compact_copy(head: torch.nn.Module) -> torch.nn.Module:
@@ -141,14 +142,11 @@ class EagleDrafter:
                                     torch.tensor([slot_of[node] for node in frontier]), mask)
             output_of.update(zip(frontier, new_outputs))
         # The best nodes overall; a node's ancestors score at least as well, so they come first.
-        order = sorted(range(len(tokens)), key=lambda node: (-scores[node], depths[node]))[:num_nodes]
-        chosen = set(order)
-        order = [node for node in order if all(a in chosen for a in ancestors[node])]
-        index_of = {node: index for index, node in enumerate(order)}
+        order, kept_parents = best_nodes(parents, scores, depths, num_nodes)
         return Draft(
             tokens=head.draft_to_target[torch.tensor([tokens[node] for node in order])],
             probs=None,
             key="eagle",
-            parents=torch.tensor([index_of[parents[node]] if parents[node] >= 0 else -1 for node in order]),
+            parents=torch.tensor(kept_parents),
             scores=torch.tensor([scores[node] for node in order]).exp(),
         )

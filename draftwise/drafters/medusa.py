@@ -16,6 +16,7 @@ from draftwise.config import SamplingParams
 from draftwise.drafters.base import Draft, empty_draft
 from draftwise.heads import check_target
 from draftwise.heads.medusa import MedusaHeads
+from draftwise.tree import best_nodes
 
 
 class MedusaDrafter:
@@ -47,8 +48,9 @@ class MedusaDrafter:
         tokens: list[int] = []
         parents: list[int] = []
         scores: list[float] = []
+        depths: list[int] = []
         frontier = [(-1, 0.0)]  # (node, log path probability)
-        for values, ids in candidates:
+        for depth, (values, ids) in enumerate(candidates, start=1):
             children = sorted(((score + value, parent, token) for parent, score in frontier
                                for value, token in zip(values, ids)), reverse=True)[: self.beam]
             frontier = []
@@ -56,40 +58,15 @@ class MedusaDrafter:
                 tokens.append(token)
                 parents.append(parent)
                 scores.append(score)
+                depths.append(depth)
                 frontier.append((len(tokens) - 1, score))
-        # Best nodes overall; a node's ancestors score at least as well (log-probabilities <= 0).
-        order = sorted(range(len(tokens)), key=lambda node: -scores[node])[:num_draft_tokens]
-        chosen = set(order)
-        order = sorted((node for node in order if _ancestors_in(node, parents, chosen)), key=lambda node: -scores[node])
-        order = _topological(order, parents)
-        index_of = {node: index for index, node in enumerate(order)}
+        # The best nodes overall; a node's ancestors score at least as well (log-probabilities <= 0).
+        order, kept_parents = best_nodes(parents, scores, depths, num_draft_tokens)
         return Draft(
             tokens=self.heads.draft_to_target[torch.tensor([tokens[node] for node in order])],
             probs=None,
             key="medusa",
-            parents=torch.tensor([index_of[parents[node]] if parents[node] >= 0 else -1 for node in order]),
+            parents=torch.tensor(kept_parents),
             scores=torch.tensor([scores[node] for node in order]).exp(),
         )
 
-
-def _ancestors_in(node: int, parents: list[int], chosen: set[int]) -> bool:
-    while parents[node] >= 0:
-        node = parents[node]
-        if node not in chosen:
-            return False
-    return True
-
-
-def _topological(order: list[int], parents: list[int]) -> list[int]:
-    """order, with any node that precedes its parent moved after it (equal scores can do that)."""
-    placed: list[int] = []
-    seen: set[int] = set()
-    pending = list(order)
-    while pending:
-        for node in pending:
-            if parents[node] < 0 or parents[node] in seen:
-                placed.append(node)
-                seen.add(node)
-                pending.remove(node)
-                break
-    return placed
