@@ -1,4 +1,4 @@
-"""Command line: `draftwise generate`, `draftwise bench`, `draftwise train`, `draftwise models list|fetch`.
+"""Command line: `draftwise generate`, `draftwise serve`, `draftwise bench`, `draftwise train`, `draftwise models list|fetch`.
 
 Flags map one-to-one to SamplingParams / SpecConfig fields, in kebab-case.
 """
@@ -15,15 +15,34 @@ from draftwise.errors import DraftwiseError
 
 
 def _add_generate(subparsers) -> None:
+
+    cmd = subparsers.add_parser("generate", help="generate text with speculative decoding",
+                                description="Generate text; prints the text, then one line of statistics on stderr.")
+    cmd.add_argument("prompt", help="the prompt text, or - to read it from standard input")
+    _add_engine_flags(cmd)
+    cmd.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    cmd.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off")
+    cmd.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 = off")
+    cmd.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability; 0 = off")
+    cmd.add_argument("--seed", type=int, help="seed for reproducible sampling")
+    cmd.add_argument("--max-new-tokens", type=int, default=128)
+    cmd.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    cmd.add_argument("--threads", type=int, help="CPU threads (default: PyTorch's, one per core)")
+    cmd.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the model's chat template")
+    cmd.add_argument("--stream", action="store_true", help="print text as it is generated")
+    cmd.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, finish_reason, metrics")
+    cmd.add_argument("--quiet", action="store_true", help="no progress bars")
+    cmd.set_defaults(handler=_generate)
+
+
+def _add_engine_flags(cmd) -> None:
+    """The flags that build an Engine: the same for `generate` and `serve`."""
     from draftwise.config import CROSS_VOCAB_METHODS, DRAFT_LENGTHS, DRAFT_QUANTIZATIONS
     from draftwise.drafters import DRAFTERS
     from draftwise.models.linear import ACTIVATIONS, QUANTIZATIONS
     from draftwise.models.loading import DTYPES
     from draftwise.models.registry import DEFAULT_MODEL
 
-    cmd = subparsers.add_parser("generate", help="generate text with speculative decoding",
-                                description="Generate text; prints the text, then one line of statistics on stderr.")
-    cmd.add_argument("prompt", help="the prompt text, or - to read it from standard input")
     cmd.add_argument("--model", default=DEFAULT_MODEL, help=f"packaged name, local folder/.gguf or hub id (default: {DEFAULT_MODEL})")
     cmd.add_argument("--drafter", default="ngram", choices=list(DRAFTERS), help="how draft tokens are proposed (default: ngram)")
     cmd.add_argument("--draft-model", help="the draft model for --drafter model or cross-vocab: name or path")
@@ -41,13 +60,6 @@ def _add_generate(subparsers) -> None:
     cmd.add_argument("--draft-length", default="adaptive", choices=list(DRAFT_LENGTHS),
                      help="adaptive: verify the share of each draft that measured costs say pays off (default); "
                           "fixed: always verify K")
-    cmd.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    cmd.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off")
-    cmd.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 = off")
-    cmd.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability; 0 = off")
-    cmd.add_argument("--seed", type=int, help="seed for reproducible sampling")
-    cmd.add_argument("--max-new-tokens", type=int, default=128)
-    cmd.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     cmd.add_argument("--dtype", default="auto", choices=list(DTYPES),
                      help="how weights are stored: auto = a GGUF model's own blocks as shipped (default), "
                           "float32, bfloat16 (activations: see --activations)")
@@ -57,12 +69,60 @@ def _add_generate(subparsers) -> None:
                      help="float32 (default), or int8: each linear's input rounded to 8 bits per 32 values, "
                           "integer dot products with the GGUF / --quantize blocks (about 2x faster decoding, "
                           "logits close to float32's; speculation still never changes the output)")
+
+
+def _load_engine(args):
+    import draftwise
+
+    if args.threads is not None:
+        torch_threads(args.threads)
+    return draftwise.load(args.model, drafter=args.drafter, draft_model=args.draft_model,
+                          num_draft_tokens=args.num_draft_tokens, dtype=args.dtype, quantize=args.quantize,
+                          progress=not args.quiet, draft_length=args.draft_length,
+                          cross_vocab_method=args.cross_vocab_method, draft_quantize=args.draft_quantize,
+                          activations=args.activations, head=args.head)
+
+
+def _add_serve(subparsers) -> None:
+    from draftwise.scheduler import DEFAULT_MAX_QUEUE, DEFAULT_PREFILL_CHUNK
+    from draftwise.server.app import DEFAULT_MAX_TOKENS
+
+    cmd = subparsers.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching",
+                                description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health and "
+                                            "/metrics; concurrent requests decode in one batch, each with its own draft.")
+    _add_engine_flags(cmd)
+    cmd.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: 127.0.0.1, this machine only)")
+    cmd.add_argument("--port", type=int, default=8000)
+    cmd.add_argument("--max-batch", type=int, help="most sequences decoded together (default: from the forward costs "
+                                                   "measured at start-up)")
+    cmd.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
+                     help=f"requests waiting beyond the batch before 429 (default: {DEFAULT_MAX_QUEUE})")
+    cmd.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
+                     help=f"prompt tokens a request prefills per step while others decode (default: {DEFAULT_PREFILL_CHUNK})")
+    cmd.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every /v1 request")
+    cmd.add_argument("--max-tokens-default", type=int, default=DEFAULT_MAX_TOKENS,
+                     help=f"output limit of a request that sets none (default: {DEFAULT_MAX_TOKENS})")
+    cmd.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS")
+    cmd.add_argument("--max-body-bytes", type=int, default=1_000_000)
     cmd.add_argument("--threads", type=int, help="CPU threads (default: PyTorch's, one per core)")
-    cmd.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the model's chat template")
-    cmd.add_argument("--stream", action="store_true", help="print text as it is generated")
-    cmd.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, finish_reason, metrics")
     cmd.add_argument("--quiet", action="store_true", help="no progress bars")
-    cmd.set_defaults(handler=_generate)
+    cmd.set_defaults(handler=_serve)
+
+
+def _serve(args) -> int:
+    from draftwise.errors import ConfigError
+    from draftwise.server import ServerSettings, serve
+
+    for flag in ("port", "max_queue", "prefill_chunk", "max_tokens_default", "max_body_bytes"):
+        if getattr(args, flag) < (0 if flag == "max_queue" else 1):
+            raise ConfigError(f"--{flag.replace('_', '-')} {getattr(args, flag)} is invalid: give a positive number.")
+    if args.max_batch is not None and args.max_batch < 1:
+        raise ConfigError(f"--max-batch {args.max_batch} is invalid: give at least 1.")
+    engine = _load_engine(args)
+    settings = ServerSettings(api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                              request_timeout_s=args.request_timeout, default_max_tokens=args.max_tokens_default)
+    serve(engine, args.host, args.port, args.max_batch, args.max_queue, args.prefill_chunk, settings)
+    return 0
 
 
 def _add_bench(subparsers) -> None:
@@ -208,7 +268,6 @@ def _add_models(subparsers) -> None:
 
 
 def _generate(args) -> int:
-    import draftwise
     from draftwise.config import SamplingParams
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
@@ -216,13 +275,7 @@ def _generate(args) -> int:
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
         max_new_tokens=args.max_new_tokens, stop=tuple(args.stop),
     )
-    if args.threads is not None:
-        torch_threads(args.threads)
-    engine = draftwise.load(args.model, drafter=args.drafter, draft_model=args.draft_model,
-                            num_draft_tokens=args.num_draft_tokens, dtype=args.dtype, quantize=args.quantize,
-                            progress=not args.quiet, draft_length=args.draft_length,
-                            cross_vocab_method=args.cross_vocab_method, draft_quantize=args.draft_quantize,
-                            activations=args.activations, head=args.head)
+    engine = _load_engine(args)
     request = [{"role": "user", "content": prompt}] if args.chat else prompt
     result = None
     for update in engine.stream(request, params):
@@ -272,6 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="draftwise", description="Lossless speculative decoding.")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_generate(subparsers)
+    _add_serve(subparsers)
     _add_bench(subparsers)
     _add_train(subparsers)
     _add_models(subparsers)

@@ -41,8 +41,11 @@ REQUEST_MEMORY = 0.1
 
 
 class DraftLengthPolicy:
-    def __init__(self) -> None:
-        self.forward_s: dict[int, float] = {}  # tokens scored -> running mean seconds
+    def __init__(self, forward_s: dict[int, float] | None = None) -> None:
+        """forward_s: a forward-cost table to share (the batch's, draftwise.controller); the
+        costs are the machine's, the acceptance evidence this policy's own."""
+        # tokens scored -> running mean seconds
+        self.forward_s: dict[int, float] = {} if forward_s is None else forward_s
         self.draft_s: dict[int, float] = {}  # tokens drafted -> running mean seconds (sequential drafters)
         self.steps_without_draft = 0
         # key -> per draft position [accepted weight, reached weight]
@@ -105,6 +108,19 @@ class DraftLengthPolicy:
             if rate > best_rate:
                 best, best_rate = m, rate
         return best
+
+    def expected_gains(self, key: Hashable, num_tokens: int, scores: list[float] | None) -> list[float]:
+        """Expected tokens each draft token adds to the step's output, non-increasing: for a
+        chain, the chance that it and every earlier one are accepted; for a scored tree (best
+        first), its calibrated score. The batch controller spends forward rows on the best."""
+        if scores is not None:
+            calibration = self._calibration(key)
+            return [calibration * score for score in scores]
+        gains, survive = [], 1.0
+        for position in range(num_tokens):
+            survive *= self._acceptance(key, position)
+            gains.append(survive)
+        return gains
 
     def observe_tree_verdict(self, key: Hashable, predicted: float, num_accepted: int) -> None:
         """A verified tree whose scores summed to `predicted` had num_accepted nodes accepted."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Protocol
@@ -52,6 +53,11 @@ class Drafter(Protocol):
     CausalLM.forward) and `observe(hidden)`: the engine calls it with the rows of every target
     forward that became committed context (the prompt's at prefill, then the last committed
     token's and the accepted nodes' after each step), [rows, len(hidden_layers) * hidden_size].
+
+    The server decodes many requests at once, each with its own drafter: fork_drafter() makes
+    them by a shallow copy (weights shared), which is right when begin() sets up all of a
+    request's state. A drafter that reuses per-request buffers across begin() calls defines
+    `fork()` returning a twin without them (draftwise.drafters.draft_model shows one).
     """
 
     # True when drafting costs about a model forward per token (a draft model): the engine
@@ -70,6 +76,12 @@ class Drafter(Protocol):
         """Only the first num_valid tokens of the last context + draft were kept (for a tree: the
         context and the accepted path): forget the rest."""
         ...
+
+
+def fork_drafter(drafter: Drafter) -> Drafter:
+    """A drafter for one more concurrent request: the same weights, its own request state."""
+    fork = getattr(drafter, "fork", None)
+    return fork() if fork is not None else copy.copy(drafter)
 
 
 def empty_draft() -> Draft:

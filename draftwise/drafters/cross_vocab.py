@@ -20,6 +20,8 @@ that still matches, so rollback happens there (see propose).
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from draftwise.config import CROSS_VOCAB_METHODS, SamplingParams
@@ -60,6 +62,13 @@ class CrossVocabDrafter:
         self.cached_ids: list[int] = []  # the draft token ids whose keys/values the cache holds
         self.params = SamplingParams()
         self.generator: torch.Generator | None = None
+
+    def fork(self) -> "CrossVocabDrafter":
+        """A twin for a concurrent request: the same model, a cache of its own (made in begin)."""
+        twin = copy.copy(self)
+        twin.cache = None
+        twin.cached_ids = []
+        return twin
 
     def begin(self, params: SamplingParams, generator: torch.Generator, max_length: int) -> None:
         self.params = params

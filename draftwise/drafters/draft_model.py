@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from draftwise.config import SamplingParams
@@ -20,6 +22,12 @@ class ModelDrafter:
         self.cache: KVCache | None = None
         self.params = SamplingParams()
         self.generator: torch.Generator | None = None
+
+    def fork(self) -> "ModelDrafter":
+        """A twin for a concurrent request: the same model, a cache of its own (made in begin)."""
+        twin = copy.copy(self)
+        twin.cache = None
+        return twin
 
     def begin(self, params: SamplingParams, generator: torch.Generator, max_length: int) -> None:
         self.params = params

@@ -18,6 +18,24 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
 
 
+@dataclass(slots=True)
+class Segment:
+    """One sequence's share of a batched forward: T new tokens scored after its own cache."""
+
+    tokens: torch.Tensor  # [T] token ids
+    positions: torch.Tensor  # [T] rotary positions
+    cache: KVCache  # this sequence's cache; the forward appends the T tokens to it
+    attn_mask: torch.Tensor | None = None  # [T, T] bool among the new tokens; None = causal
+    num_logits: int | None = None  # score only the last num_logits tokens (a prefill needs 1, a chunk 0)
+
+
+def forward_each(model: "CausalLM", segments: list[Segment], hidden_layers: tuple[int, ...] = ()) -> list:
+    """forward_batch for a model without a batched forward: one forward per segment."""
+    return [model.forward(s.tokens, s.positions, s.cache, s.attn_mask, s.num_logits, hidden_layers=hidden_layers)
+            if hidden_layers else model.forward(s.tokens, s.positions, s.cache, s.attn_mask, s.num_logits)
+            for s in segments]
+
+
 class CausalLM(Protocol):
     info: ModelInfo
 
@@ -39,4 +57,9 @@ class CausalLM(Protocol):
         states of all T tokens at those layers, concatenated: [T, len(hidden_layers) * hidden].
         Layer i < num_layers is the residual stream after decoder layer i; i = num_layers is the
         final norm's output (what the LM head reads)."""
+        ...
+
+    def forward_batch(self, segments: list[Segment], hidden_layers: tuple[int, ...] = ()) -> list:
+        """forward() for several sequences at once, each after its own cache: one result per
+        segment, exactly what forward() would return for it alone (batch invariance)."""
         ...

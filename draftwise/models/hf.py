@@ -11,7 +11,7 @@ import torch
 
 from draftwise.errors import ModelLoadError
 from draftwise.kv_cache import CacheLength
-from draftwise.models.base import ModelInfo
+from draftwise.models.base import ModelInfo, Segment, forward_each
 
 
 class HFCache(CacheLength):
@@ -68,6 +68,10 @@ class HFModel:
             logits_to_keep=num_logits or 0,  # 0: all
         )
         return output.logits[0].float()
+
+
+    def forward_batch(self, segments: list[Segment], hidden_layers: tuple[int, ...] = ()) -> list:
+        return forward_each(self, segments, hidden_layers)  # one transformers forward per sequence
 
 
 def load_hf_model(folder, info: ModelInfo, dtype: torch.dtype) -> HFModel:

@@ -23,7 +23,7 @@ from torch import nn
 from draftwise.errors import ModelLoadError
 from draftwise.kv_cache import KVCache
 from draftwise.models import ops
-from draftwise.models.base import ModelInfo
+from draftwise.models.base import ModelInfo, Segment
 from draftwise.models.linear import BlockEmbedding, BlockLinear, BlockWeight, WeightFormat, store_weights
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
@@ -105,18 +105,25 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(shape.hidden_size, kv_size, bias=shape.qkv_bias)
         self.o_proj = nn.Linear(q_size, shape.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
-                start: int, tree_mask: torch.Tensor | None) -> torch.Tensor:  # x: [T, hidden]
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
+                spans: list["Span"]) -> torch.Tensor:  # x: [N, hidden], every sequence's rows
         num_tokens = x.shape[0]
         s = self.shape
-        # [T, hidden] -> [T, heads, head_dim]; cos, sin [T, 1, head_dim]
+        # [N, hidden] -> [N, heads, head_dim]; cos, sin [N, 1, head_dim]. The projections read
+        # each weight once for all sequences' rows; attention is per sequence, over its cache.
         q = self.q_proj(x).view(num_tokens, s.num_heads, s.head_dim)
         k = self.k_proj(x).view(num_tokens, s.num_kv_heads, s.head_dim)
         v = self.v_proj(x).view(num_tokens, s.num_kv_heads, s.head_dim)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        cache.write(layer, start, k.transpose(0, 1)[None], v.transpose(0, 1)[None])
-        out = ops.attention(q, cache.keys[layer, 0], cache.values[layer, 0], start, tree_mask)  # [T, heads, head_dim]
+        outputs = []
+        for span in spans:
+            rows = slice(span.first_row, span.first_row + span.num_rows)
+            cache = span.segment.cache
+            cache.write(layer, span.start, k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None])
+            outputs.append(ops.attention(q[rows], cache.keys[layer, 0], cache.values[layer, 0], span.start,
+                                         span.segment.attn_mask))  # [T, heads, head_dim]
+        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
         return self.o_proj(out.reshape(num_tokens, -1))
 
 
@@ -139,9 +146,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.mlp = MLP(shape)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
-                start: int, tree_mask: torch.Tensor | None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, start, tree_mask)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
+                spans: list["Span"]) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, spans)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -244,7 +251,6 @@ class LlamaModel(nn.Module):
         s = self.shape
         return KVCache(s.num_layers, s.num_kv_heads, s.head_dim, max_length, dtype=self.dtype)
 
-    @torch.inference_mode()
     def forward(
         self,
         tokens: torch.Tensor,  # [T]
@@ -254,25 +260,74 @@ class LlamaModel(nn.Module):
         num_logits: int | None = None,  # score only the last num_logits tokens (prefill needs 1)
         hidden_layers: tuple[int, ...] = (),  # also return these layers' outputs (see CausalLM.forward)
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [num_logits or T, vocab] float32 (, [T, layers * hidden])
+        """One sequence: forward_batch with a batch of one (the same code, the same bits)."""
+        return self.forward_batch([Segment(tokens, positions, cache, attn_mask, num_logits)], hidden_layers)[0]
+
+    @torch.inference_mode()
+    def forward_batch(self, segments: list[Segment], hidden_layers: tuple[int, ...] = ()) -> list:
+        """Score every segment's new tokens in one pass (see CausalLM.forward_batch): the linears
+        read each weight once for all rows, attention runs per sequence over its own cache."""
         num_layers = self.shape.num_layers
         if any(not 0 <= layer <= num_layers for layer in hidden_layers):
             raise ValueError(f"hidden_layers {hidden_layers} must lie in 0..{num_layers} for {self.info.name}")
-        start = cache.reserve(tokens.shape[0])
-        cos, sin = self.rope.lookup(positions)  # [T, 1, head_dim] each
-        x = self.model.embed_tokens(tokens)  # [T, hidden]
+        spans, first_row = [], 0
+        for segment in segments:
+            num_rows = segment.tokens.shape[0]
+            spans.append(Span(segment, segment.cache.reserve(num_rows), first_row, num_rows))
+            first_row += num_rows
+        tokens = segments[0].tokens if len(segments) == 1 else torch.cat([s.tokens for s in segments])
+        positions = segments[0].positions if len(segments) == 1 else torch.cat([s.positions for s in segments])
+        cos, sin = self.rope.lookup(positions)  # [N, 1, head_dim] each
+        x = self.model.embed_tokens(tokens)  # [N, hidden]
         saved: dict[int, torch.Tensor] = {}
         for index, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, cache, index, start, attn_mask)
+            x = layer(x, cos, sin, index, spans)
             if index in hidden_layers:
                 saved[index] = x
+        # The rows each segment wants scored: its last num_logits (None = all of them).
+        scored = [span.scored_rows() for span in spans]
+        rows = scored[0] if len(scored) == 1 else [row for rows in scored for row in rows]
         if num_layers in hidden_layers:
             x = saved[num_layers] = self.model.norm(x)  # row-wise: the same bits on all rows or a slice
-            logits = self.lm_head(x if num_logits is None else x[-num_logits:])
+        if not len(rows):  # prefill chunks only: nothing to score
+            logits = x.new_empty(0, self.shape.vocab_size)
+        elif num_layers in hidden_layers:
+            logits = self.lm_head(_take(x, rows))
         else:
-            logits = self.lm_head(self.model.norm(x if num_logits is None else x[-num_logits:]))
-        if not hidden_layers:
-            return logits
-        return logits, torch.cat([saved[layer] for layer in hidden_layers], dim=-1)
+            logits = self.lm_head(self.model.norm(_take(x, rows)))
+        results, first = [], 0
+        for span, rows in zip(spans, scored):
+            result = logits[first:first + len(rows)]
+            first += len(rows)
+            if hidden_layers:
+                result = (result, torch.cat([saved[layer][span.rows] for layer in hidden_layers], dim=-1))
+            results.append(result)
+        return results
+
+
+@dataclass(slots=True)
+class Span:
+    """Where a segment's rows sit in a batched forward, and where its cache writes them."""
+
+    segment: Segment
+    start: int  # first cache slot of the new tokens
+    first_row: int  # first row in the flattened batch
+    num_rows: int
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.first_row, self.first_row + self.num_rows)
+
+    def scored_rows(self) -> range:
+        wanted = self.num_rows if self.segment.num_logits is None else min(self.segment.num_logits, self.num_rows)
+        return range(self.first_row + self.num_rows - wanted, self.first_row + self.num_rows)
+
+
+def _take(x: torch.Tensor, rows: range | list[int]) -> torch.Tensor:
+    """x's rows, as a view when they are contiguous (the single-sequence case)."""
+    if isinstance(rows, range):
+        return x[rows.start:rows.stop]
+    return x[rows]
 
 
 class RopeTable:

@@ -1,0 +1,76 @@
+"""Draft lengths for a whole batch: spend forward rows where they buy the most tokens.
+
+In a batch, one sequence's draft tokens make the forward longer for every sequence in it. So
+the controller does not ask "what maximises this request's tokens per second" but "what
+maximises the BATCH's committed tokens per second" (the goodput rule of SmartSpec, arXiv
+2406.14066), from two things measured online on this machine:
+
+- the seconds of one target forward per number of rows it scores (shared by all requests:
+  it is the hardware's; draftwise.draft_length interpolates between measured sizes), and
+- each request's own acceptance (its DraftLengthPolicy): the expected tokens each of its draft
+  tokens adds, non-increasing along a chain (or a tree's best-first nodes).
+
+A step's fixed part is one row per decoding sequence (each commits at least one token) plus the
+prefill rows in it. Draft tokens are ranked by expected gain across all sequences; the step
+keeps the n best, for the n that maximises
+
+    (committed tokens without drafts + sum of the n best gains) / forward_seconds(fixed rows + n)
+
+Because each sequence's gains are non-increasing, the n best are a prefix of each draft. Alone,
+this is exactly the single-request rule; as the batch fills, the forward's cost per row rises
+(weights are read once per block of rows) and drafts shrink, down to none when drafting cannot
+pay. Trimming never changes the output (verification is lossless for any length), only speed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from draftwise.draft_length import DraftLengthPolicy, _cost, _smooth_into
+from draftwise.drafters.base import Draft
+
+
+@dataclass(slots=True)
+class Allocation:
+    sizes: list[int]  # draft tokens kept per sequence, in the order given
+    expected_tokens: float  # expected committed tokens of the step
+    num_rows: int  # rows the forward will score
+
+
+class BatchController:
+    def __init__(self, forward_s: dict[int, float] | None = None) -> None:
+        # rows scored -> running mean seconds, shared with every policy this controller made
+        self.forward_s: dict[int, float] = {} if forward_s is None else forward_s
+
+    def new_policy(self) -> DraftLengthPolicy:
+        """A request's own acceptance evidence, on the batch's shared forward costs."""
+        return DraftLengthPolicy(forward_s=self.forward_s)
+
+    def observe_forward(self, num_rows: int, seconds: float) -> None:
+        _smooth_into(self.forward_s, num_rows, seconds)
+
+    def allocate(self, drafts: list[tuple[DraftLengthPolicy, Draft]], num_fixed_rows: int,
+                 num_fixed_tokens: int) -> Allocation:
+        """How many tokens of each draft to verify. num_fixed_rows: rows the forward scores
+        whatever the drafts (one per decoding sequence, plus prefill rows); num_fixed_tokens:
+        tokens the step commits without drafts (one per decoding sequence, plus one per prompt
+        whose prefill completes)."""
+        sizes = [0] * len(drafts)
+        if not self.forward_s:  # measure a plain step first: every rate is compared with it
+            return Allocation(sizes, float(num_fixed_tokens), num_fixed_rows)
+        ranked = []  # (gain, sequence index)
+        for index, (policy, draft) in enumerate(drafts):
+            num_tokens = draft.tokens.shape[0]
+            if num_tokens:
+                scores = draft.scores.tolist() if draft.scores is not None else None
+                ranked.extend((gain, index) for gain in policy.expected_gains(draft.key, num_tokens, scores))
+        ranked.sort(key=lambda item: -item[0])  # stable: a sequence's equal gains keep their order
+        best_n, best_rate, expected, best_expected = 0, num_fixed_tokens / _cost(self.forward_s, num_fixed_rows), 0.0, 0.0
+        for n, (gain, _) in enumerate(ranked, start=1):
+            expected += gain
+            rate = (num_fixed_tokens + expected) / _cost(self.forward_s, num_fixed_rows + n)
+            if rate > best_rate:
+                best_n, best_rate, best_expected = n, rate, expected
+        for _, index in ranked[:best_n]:
+            sizes[index] += 1
+        return Allocation(sizes, num_fixed_tokens + best_expected, num_fixed_rows + best_n)

@@ -1,0 +1,74 @@
+"""One request's state while it decodes: committed tokens, cache, drafter, random stream, text.
+
+A Sequence is what the batched step (draftwise.step) advances: the single-request Engine runs
+one at a time, the server's scheduler many. Everything a request owns lives here, so that a
+request's output depends on nothing else in the batch.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from draftwise.config import SamplingParams
+from draftwise.draft_length import DraftLengthPolicy
+from draftwise.drafters.base import Drafter
+from draftwise.kv_cache import KVCache
+from draftwise.metrics import RequestMetrics
+from draftwise.text_stream import TextStream
+
+
+@dataclass(eq=False)
+class Sequence:
+    prompt_ids: list[int]
+    params: SamplingParams
+    drafter: Drafter
+    policy: DraftLengthPolicy | None  # None: verify every draft token (draft_length="fixed")
+    num_draft_tokens: int  # the most a step drafts for this request (0: plain decoding)
+    generator: torch.Generator  # this request's own random stream
+    cache: KVCache
+    max_length: int  # prompt + output never exceeds it
+    eos: frozenset[int]
+    text: TextStream
+    metrics: RequestMetrics
+    context: torch.Tensor = field(init=False)  # committed tokens: prompt, then output
+    num_prefilled: int = 0  # prompt tokens already in the cache
+    finish_reason: str | None = None  # "stop" or "length" once finished; "cancelled" if dropped
+    started: float = field(default_factory=time.perf_counter)
+
+    def __post_init__(self) -> None:
+        self.context = torch.tensor(self.prompt_ids, dtype=torch.long)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.num_prefilled < len(self.prompt_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def commit(self, tokens: list[int]) -> None:
+        """Append a step's tokens one by one, so that EOS, stop strings and the length limit
+        cut the output at the same place whatever the number of tokens a step produced."""
+        for token in tokens:
+            if token in self.eos:
+                self.finish("stop")
+                return
+            self.context = torch.cat((self.context, torch.tensor([token])))
+            if self.text.push(token):
+                self.finish("stop")
+                return
+            if len(self.text.token_ids) >= self.params.max_new_tokens or self.context.shape[0] >= self.max_length:
+                self.finish("length")
+                return
+
+    def finish(self, reason: str) -> None:
+        self.finish_reason = reason
+        self.metrics.num_generated_tokens = len(self.text.token_ids)
+        self.metrics.total_s = time.perf_counter() - self.started
+
+    def draft_budget(self) -> int:
+        """The most tokens this step may draft: never past the request's length budget."""
+        return max(0, min(self.num_draft_tokens, self.max_length - self.context.shape[0] - 1))

@@ -1,0 +1,158 @@
+"""The OpenAI wire format: pydantic models of the requests draftwise serves and their answers.
+
+Fields follow OpenAI's API reference; unknown fields are ignored as OpenAI does. Extensions:
+top_k, min_p and `speculative` (per-request draft ceiling, or "off") in requests, and
+usage.speculative in answers (draft tokens proposed/accepted, acceptance rate, mean accepted
+length, per-position acceptance), where OpenAI clients see it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from draftwise.config import SamplingParams
+from draftwise.metrics import RequestMetrics
+
+MAX_STOP_STRINGS = 16
+
+
+class SpeculativeOptions(BaseModel):
+    """Per-request speculation: num_draft_tokens caps the draft (0 = plain decoding)."""
+
+    model_config = ConfigDict(extra="ignore")
+    num_draft_tokens: int | None = Field(default=None, ge=0, le=256)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """What chat and text completions share."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    min_p: float = Field(default=0.0, ge=0.0, lt=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(default=1, ge=1)
+    logprobs: bool | int | None = None
+    speculative: SpeculativeOptions | Literal["off"] | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError("n > 1 is not supported: send n separate requests (each may carry its own seed)")
+        return n
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, logprobs):
+        if logprobs not in (None, False, 0):
+            raise ValueError("logprobs are not supported yet: leave logprobs unset")
+        return logprobs
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, stop):
+        strings = [stop] if isinstance(stop, str) else list(stop or [])
+        if len(strings) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(strings)}")
+        if any(not s for s in strings):
+            raise ValueError("stop strings must be non-empty")
+        return stop
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def num_draft_tokens(self) -> int | None:
+        """This request's draft ceiling: None = the server's, 0 = off."""
+        if self.speculative == "off":
+            return 0
+        return None if self.speculative is None else self.speculative.num_draft_tokens
+
+    def sampling_params(self, max_new_tokens: int) -> SamplingParams:
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
+                              seed=self.seed, max_new_tokens=max_new_tokens, stop=stop)
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def chat(self) -> list[dict[str, str]]:
+        # "developer" is OpenAI's newer name for "system"; chat templates know "system".
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str]
+    echo: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt):
+        if isinstance(prompt, list) and len(prompt) != 1:
+            raise ValueError("send one prompt per request (a list of exactly one string is accepted)")
+        return prompt
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, echo: bool) -> bool:
+        if echo:
+            raise ValueError("echo is not supported: prepend the prompt yourself")
+        return echo
+
+    def text(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+
+def usage(metrics: RequestMetrics) -> dict:
+    """OpenAI's usage object plus draftwise's speculation statistics."""
+    return {
+        "prompt_tokens": metrics.num_prompt_tokens,
+        "completion_tokens": metrics.num_generated_tokens,
+        "total_tokens": metrics.num_prompt_tokens + metrics.num_generated_tokens,
+        "speculative": {
+            "draft_tokens": metrics.num_draft_tokens,
+            "accepted_tokens": metrics.num_accepted_tokens,
+            "acceptance_rate": round(metrics.acceptance_rate, 4),
+            "mean_accepted_length": round(metrics.mean_accepted_length, 4),
+            "per_position_acceptance": [round(rate, 4) for rate in metrics.per_position_acceptance],
+            "target_forwards": metrics.num_target_forwards,
+        },
+    }
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error format."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}

@@ -1,0 +1,176 @@
+"""ONE batched step: gather drafts -> flatten -> one target forward -> verify per sequence ->
+commit/rollback. The only place caches are rolled back.
+
+Every live sequence contributes its rows to one target forward: a decoding sequence its last
+committed token plus its draft (empty, a chain or a tree), a prefilling one the next chunk of
+its prompt. The linears read each weight once for all rows; attention runs per sequence over
+its own cache; the native decoder computes every row with the same arithmetic whatever else the
+forward holds, so a sequence's logits, and so its tokens, do not depend on the batch. Then each
+sequence is verified on its own slice of the logits with its own random stream. The
+single-request Engine is this step with a batch of one.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from draftwise import tree
+from draftwise.config import SamplingParams
+from draftwise.controller import BatchController
+from draftwise.drafters.base import Draft, empty_draft
+from draftwise.models.base import Segment
+from draftwise.sampling import logits_to_probs
+from draftwise.sequence import Sequence
+from draftwise.verify import Verdict, verify_greedy, verify_rejection, verify_tree_greedy, verify_tree_rejection
+
+
+@dataclass(slots=True)
+class StepReport:
+    """What one step did, for the server's metrics and the controller's observability."""
+
+    batch_size: int = 0  # sequences in the forward
+    num_rows: int = 0  # rows the forward scored
+    num_prefill_rows: int = 0
+    draft_tokens_chosen: list[int] = field(default_factory=list)  # per decoding sequence
+    num_committed: int = 0
+    forward_s: float = 0.0
+
+
+def run_step(model, sequences: list[Sequence], controller: BatchController | None,
+             hidden_layers: tuple[int, ...] = (), prefill_chunk: int | None = None) -> StepReport:
+    """Advance every unfinished sequence by one target forward. prefill_chunk: the most prompt
+    tokens a prefilling sequence feeds per step (None: the whole prompt at once)."""
+    live = [seq for seq in sequences if not seq.finished]
+    report = StepReport(batch_size=len(live))
+    if not live:
+        return report
+    decoding = [seq for seq in live if not seq.prefilling]
+    drafts = [_propose(seq) for seq in decoding]
+    chunks = {id(seq): _prefill_rows(seq, prefill_chunk) for seq in live if seq.prefilling}
+    report.num_prefill_rows = sum(len(rows) for rows in chunks.values())
+    if controller is not None and decoding:
+        completing = sum(seq.num_prefilled + len(chunks[id(seq)]) == len(seq.prompt_ids)
+                         for seq in live if seq.prefilling)
+        choices = [(seq.policy, draft) for seq, draft in zip(decoding, drafts)]
+        allocation = controller.allocate(choices, len(decoding) + report.num_prefill_rows, len(decoding) + completing)
+        drafts = [draft.trimmed(size) if size < draft.tokens.shape[0] else draft
+                  for draft, size in zip(drafts, allocation.sizes)]
+    report.draft_tokens_chosen = [draft.tokens.shape[0] for draft in drafts]
+
+    segments, draft_of = [], {}
+    for seq in live:
+        if seq.prefilling:
+            rows = chunks[id(seq)]
+            last = rows.stop == len(seq.prompt_ids)
+            segments.append(Segment(torch.tensor(seq.prompt_ids[rows.start:rows.stop], dtype=torch.long),
+                                    torch.arange(rows.start, rows.stop), seq.cache, None, 1 if last else 0))
+        else:
+            draft = drafts[len(draft_of)]
+            draft_of[id(seq)] = draft
+            segments.append(_decode_segment(seq, draft))
+    report.num_rows = sum(segment.tokens.shape[0] for segment in segments)
+
+    tic = time.perf_counter()
+    outputs = model.forward_batch(segments, hidden_layers)
+    report.forward_s = time.perf_counter() - tic
+    if controller is not None:
+        controller.observe_forward(report.num_rows, report.forward_s)
+
+    for seq, output in zip(live, outputs):
+        logits, hidden = output if hidden_layers else (output, None)
+        before = seq.context.shape[0]
+        if seq.prefilling:
+            _finish_chunk(seq, chunks[id(seq)], logits, hidden)
+        else:
+            _verify_and_commit(seq, draft_of[id(seq)], logits, hidden, report.forward_s)
+        report.num_committed += seq.context.shape[0] - before
+    return report
+
+
+def _propose(seq: Sequence) -> Draft:
+    """The sequence's draft for this step, at most its budget (a draft model asks its policy
+    first: it pays a forward per token)."""
+    budget = seq.draft_budget()
+    # getattr: a user drafter written without the attribute is treated as free to draft.
+    sequential = seq.policy is not None and getattr(seq.drafter, "sequential", False)
+    if sequential and budget > 0:
+        budget = seq.policy.choose_before_drafting(budget)
+    tic = time.perf_counter()
+    draft = seq.drafter.propose(seq.context, budget) if budget > 0 else empty_draft()
+    seconds = time.perf_counter() - tic
+    if sequential and budget > 0:
+        seq.policy.observe_draft(budget, seconds)
+    seq.metrics.draft_s += seconds
+    return draft
+
+
+def _prefill_rows(seq: Sequence, prefill_chunk: int | None) -> range:
+    end = len(seq.prompt_ids) if prefill_chunk is None else min(len(seq.prompt_ids), seq.num_prefilled + prefill_chunk)
+    return range(seq.num_prefilled, end)
+
+
+def _decode_segment(seq: Sequence, draft: Draft) -> Segment:
+    """The cache holds every committed token but the last; score it and the draft at once."""
+    num_committed = seq.context.shape[0]
+    inputs = torch.cat((seq.context[-1:], draft.tokens))  # [1 + n]
+    if draft.is_tree:  # each node sits one position past its parent and sees only its ancestors
+        depths = tree.depths(draft.parents)
+        positions = num_committed - 1 + torch.cat((torch.zeros(1, dtype=torch.long), depths))
+        return Segment(inputs, positions, seq.cache, tree.ancestor_mask(draft.parents))  # mask [1 + n, 1 + n]
+    return Segment(inputs, torch.arange(num_committed - 1, num_committed + draft.tokens.shape[0]), seq.cache)
+
+
+def _finish_chunk(seq: Sequence, rows: range, logits: torch.Tensor, hidden: torch.Tensor | None) -> None:
+    """A prompt chunk is in the cache; after the last one, the target picks the first token."""
+    if hidden is not None:
+        seq.drafter.observe(hidden)  # prompt rows: all of them are committed context
+    seq.num_prefilled = rows.stop
+    if seq.prefilling:
+        return
+    verdict = choose(empty_draft(), logits, seq.params, seq.generator)
+    seq.metrics.prefill_s = time.perf_counter() - seq.started
+    seq.metrics.record_step(0, 0, 1)
+    seq.commit([verdict.next_token])
+
+
+def _verify_and_commit(seq: Sequence, draft: Draft, logits: torch.Tensor, hidden: torch.Tensor | None,
+                       forward_s: float) -> None:
+    tic = time.perf_counter()
+    num_committed = seq.context.shape[0]
+    num_proposed = draft.tokens.shape[0]
+    verdict = choose(draft, logits, seq.params, seq.generator)
+    path = verdict.accepted_nodes()
+    policy = seq.policy
+    if policy is not None and num_proposed:
+        if draft.scores is not None:
+            policy.observe_tree_verdict(draft.key, float(draft.scores.sum()), verdict.num_accepted)
+        else:
+            policy.observe_verdict(draft.key, num_proposed, verdict.num_accepted)
+    # Roll back, in one place, both caches to the committed prefix they both saw; a tree's
+    # accepted path moves next to the committed tokens.
+    seq.cache.keep_path(num_committed, path)
+    seq.drafter.rollback(num_committed + verdict.num_accepted)
+    if hidden is not None:
+        seq.drafter.observe(hidden[[0] + [node + 1 for node in path]])  # the newly committed rows
+    metrics = seq.metrics
+    metrics.target_forward_s += forward_s
+    metrics.verify_s += forward_s + time.perf_counter() - tic
+    depth = int(tree.depths(draft.parents).max()) if draft.is_tree and num_proposed else num_proposed
+    metrics.record_step(num_proposed, verdict.num_accepted, verdict.num_accepted + 1, depth)
+    seq.commit(draft.tokens[path].tolist() + [verdict.next_token])
+
+
+def choose(draft: Draft, target_logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> Verdict:
+    """Verify a (possibly empty) chain or tree draft against target logits [n + 1, vocab]."""
+    if draft.is_tree:
+        if params.is_greedy:
+            return verify_tree_greedy(draft.tokens, draft.parents, target_logits)
+        target_probs = logits_to_probs(target_logits, params)
+        return verify_tree_rejection(draft.tokens, draft.parents, draft.probs, target_probs, generator)
+    if params.is_greedy:
+        return verify_greedy(draft.tokens, target_logits)
+    target_probs = logits_to_probs(target_logits, params)  # an empty draft just samples row 0
+    return verify_rejection(draft.tokens, draft.probs, target_probs, generator)
