@@ -111,8 +111,12 @@ def _add_serve(subparsers) -> None:
 
 def _serve(args) -> int:
     from draftwise.errors import ConfigError
-    from draftwise.server import ServerSettings, serve
 
+    try:
+        from draftwise.server import ServerSettings, serve
+    except ImportError as error:
+        raise ConfigError(f"`draftwise serve` needs the server extras ({error.name} is missing): "
+                          "pip install -e '.[server]'") from None
     for flag in ("port", "max_queue", "prefill_chunk", "max_tokens_default", "max_body_bytes"):
         if getattr(args, flag) < (0 if flag == "max_queue" else 1):
             raise ConfigError(f"--{flag.replace('_', '-')} {getattr(args, flag)} is invalid: give a positive number.")

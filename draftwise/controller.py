@@ -49,6 +49,16 @@ class BatchController:
     def observe_forward(self, num_rows: int, seconds: float) -> None:
         _smooth_into(self.forward_s, num_rows, seconds)
 
+    def cost(self, num_rows: int) -> float:
+        """Seconds of a forward over num_rows rows: measured or interpolated; up to twice the
+        largest measured size, as cheap as that (optimistic, so bigger forwards get tried and
+        measured); beyond, growing with the rows (a forward that big reads its weights again
+        per block of rows: assuming it free would draft without limit under load)."""
+        largest = max(self.forward_s)
+        if num_rows <= 2 * largest:
+            return _cost(self.forward_s, num_rows)
+        return self.forward_s[largest] * num_rows / (2 * largest)
+
     def allocate(self, drafts: list[tuple[DraftLengthPolicy, Draft]], num_fixed_rows: int,
                  num_fixed_tokens: int) -> Allocation:
         """How many tokens of each draft to verify. num_fixed_rows: rows the forward scores
@@ -65,10 +75,10 @@ class BatchController:
                 scores = draft.scores.tolist() if draft.scores is not None else None
                 ranked.extend((gain, index) for gain in policy.expected_gains(draft.key, num_tokens, scores))
         ranked.sort(key=lambda item: -item[0])  # stable: a sequence's equal gains keep their order
-        best_n, best_rate, expected, best_expected = 0, num_fixed_tokens / _cost(self.forward_s, num_fixed_rows), 0.0, 0.0
+        best_n, best_rate, expected, best_expected = 0, num_fixed_tokens / self.cost(num_fixed_rows), 0.0, 0.0
         for n, (gain, _) in enumerate(ranked, start=1):
             expected += gain
-            rate = (num_fixed_tokens + expected) / _cost(self.forward_s, num_fixed_rows + n)
+            rate = (num_fixed_tokens + expected) / self.cost(num_fixed_rows + n)
             if rate > best_rate:
                 best_n, best_rate, best_expected = n, rate, expected
         for _, index in ranked[:best_n]:

@@ -4,6 +4,8 @@ metrics.py Prometheus metrics) over draftwise.scheduler's continuous batching.""
 from __future__ import annotations
 
 import sys
+import threading
+import time
 
 from draftwise.engine import Engine
 from draftwise.scheduler import DEFAULT_MAX_QUEUE, DEFAULT_PREFILL_CHUNK, Scheduler, max_batch_from_costs, measure_batch_costs
@@ -36,4 +38,45 @@ def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, max_batch: 
         scheduler.stop()
 
 
-__all__ = ["ServerSettings", "choose_max_batch", "create_app", "serve"]
+class ServerThread:
+    """A server on a background thread, for tests, benchmarks and notebooks:
+
+        with ServerThread(engine, max_batch=8) as server:
+            openai.OpenAI(base_url=server.url + "/v1", api_key="-")...
+    """
+
+    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0, max_batch: int | None = None,
+                 max_queue: int = DEFAULT_MAX_QUEUE, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                 settings: ServerSettings = ServerSettings()) -> None:
+        import socket
+
+        import uvicorn
+
+        if port == 0:  # a free loopback port
+            with socket.socket() as probe:
+                probe.bind((host, 0))
+                port = probe.getsockname()[1]
+        self.url = f"http://{host}:{port}"
+        self.scheduler = Scheduler(engine, max_batch or choose_max_batch(engine, verbose=False), max_queue, prefill_chunk)
+        self.app = create_app(engine, self.scheduler, settings)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host=host, port=port, log_level="warning",
+                                                    timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, name="draftwise-server", daemon=True)
+
+    def __enter__(self) -> "ServerThread":
+        self.scheduler.start()
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError(f"the server did not start on {self.url}")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.scheduler.stop()
+
+
+__all__ = ["ServerSettings", "ServerThread", "choose_max_batch", "create_app", "serve"]

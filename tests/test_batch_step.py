@@ -1,0 +1,177 @@
+"""The batched step: a sequence's output does not depend on what else is in the batch.
+
+On the real SmolLM2-135M: logits of a batched forward are bit-identical to each sequence's
+forward alone; sequences decoded together (different drafters, chains and trees, chunked
+prefills, joining at different steps) produce exactly the tokens they produce alone, greedy
+and seeded sampling; and the controller drafts long alone, less under load.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftwise import SamplingParams
+from draftwise.controller import BatchController
+from draftwise.drafters.base import Draft, fork_drafter
+from draftwise.drafters.ngram import NgramDrafter
+from draftwise.engine import Engine, NoDrafter, result_of
+from draftwise.models.base import Segment
+from draftwise.step import run_step
+from draftwise import tree
+from tests.conftest import PROMPTS
+
+
+@pytest.fixture(scope="module")
+def eagle_drafter(smollm2):
+    from draftwise.drafters.eagle import EagleDrafter
+    from draftwise.heads import head_for
+    from draftwise.heads.eagle import load_head
+
+    return EagleDrafter(load_head(head_for("smollm2-135m", "eagle"), smollm2.model), smollm2.model)
+
+
+def test_batched_forward_logits_are_bit_identical_to_each_sequence_alone(smollm2):
+    model = smollm2.model
+    torch.manual_seed(0)
+    contexts = [torch.randint(0, 49152, (n,)) for n in (7, 30, 12)]
+    parents = torch.tensor([-1, -1, 0, 0, 2])  # a tree of 5 nodes for the third sequence
+
+    def segments_for(caches):
+        out = []
+        for index, (context, cache) in enumerate(zip(contexts, caches)):
+            model.forward(context[:-4], torch.arange(context.shape[0] - 4), cache, num_logits=1)  # committed prefix
+            if index == 2:
+                depths = tree.depths(parents)
+                tokens = torch.cat((context[-4:-3], torch.randint(0, 49152, (5,), generator=torch.Generator().manual_seed(1))))
+                positions = context.shape[0] - 4 + torch.cat((torch.zeros(1, dtype=torch.long), depths))
+                out.append(Segment(tokens, positions, cache, tree.ancestor_mask(parents)))
+            else:
+                out.append(Segment(context[-4:], torch.arange(context.shape[0] - 4, context.shape[0]), cache))
+        return out
+
+    alone = []
+    for index in range(3):
+        caches = [model.new_cache(64) for _ in contexts]
+        segment = segments_for(caches)[index]
+        alone.append(model.forward(segment.tokens, segment.positions, segment.cache, segment.attn_mask))
+    caches = [model.new_cache(64) for _ in contexts]
+    batched = model.forward_batch(segments_for(caches))
+    for one, together in zip(alone, batched):
+        assert torch.equal(one, together)
+    # Each cache holds its own sequence's keys, as a forward alone would have written them.
+    reference = [model.new_cache(64) for _ in contexts]
+    segments = segments_for(reference)
+    model.forward(segments[1].tokens, segments[1].positions, segments[1].cache)
+    assert torch.equal(reference[1].keys[:, :, :, :30], caches[1].keys[:, :, :, :30])
+
+
+def _decode_together(engine: Engine, jobs, join_steps, prefill_chunk=16):
+    """Run jobs [(prompt, params, drafter, num_draft_tokens)] in one batch, each joining at its
+    step; returns their results. An engine without a draft-length policy verifies every draft
+    token (fixed lengths)."""
+    sequences = [None] * len(jobs)
+    step = 0
+    while step == 0 or any(seq is None or not seq.finished for seq in sequences):
+        for index, (prompt, params, drafter, num_draft) in enumerate(jobs):
+            if sequences[index] is None and join_steps[index] <= step:
+                policy = engine.controller.new_policy() if engine.controller is not None else None
+                sequences[index] = engine.start(engine.encode(prompt), params, fork_drafter(drafter), policy, num_draft)
+        run_step(engine.target.model, [seq for seq in sequences if seq is not None], engine.controller,
+                 engine.hidden_layers, prefill_chunk)
+        step += 1
+    return [result_of(seq) for seq in sequences]
+
+
+def _jobs(params_for, ngram, eagle=None):
+    drafters = [NoDrafter(), ngram, ngram, ngram, NoDrafter(), ngram]
+    jobs = [(PROMPTS[i], params_for(i), drafters[i], [None, 10, 3, 0, None, None][i]) for i in range(6)]
+    return jobs
+
+
+def test_greedy_batch_equals_each_request_alone(smollm2):
+    """Mixed drafters (plain, n-gram with different ceilings, speculation off), prompts of
+    different lengths prefilled in 16-token chunks beside others' decoding, joining at
+    different steps: every output equals plain greedy decoding of that prompt alone."""
+    ngram = NgramDrafter(1, 3)
+    from draftwise.draft_length import DraftLengthPolicy
+
+    engine = Engine(smollm2, ngram, 10, DraftLengthPolicy())
+    plain = Engine(smollm2)
+    jobs = _jobs(lambda i: SamplingParams(max_new_tokens=40), ngram)
+    together = _decode_together(engine, jobs, join_steps=[0, 0, 3, 5, 9, 9])
+    for (prompt, params, _, _), result in zip(jobs, together):
+        assert result.token_ids == plain.generate(prompt, params).token_ids
+    assert sum(r.metrics.num_accepted_tokens for r in together) > 0  # speculation really ran
+
+
+def test_greedy_eagle_trees_in_a_batch_equal_plain_greedy(smollm2, eagle_drafter):
+    from draftwise.draft_length import DraftLengthPolicy
+
+    engine = Engine(smollm2, eagle_drafter, 24, DraftLengthPolicy())
+    plain = Engine(smollm2)
+    jobs = [(PROMPTS[i], SamplingParams(max_new_tokens=32), eagle_drafter, None) for i in (0, 3, 7, 9)]
+    together = _decode_together(engine, jobs, join_steps=[0, 1, 1, 4])
+    for (prompt, params, _, _), result in zip(jobs, together):
+        assert result.token_ids == plain.generate(prompt, params).token_ids
+    assert sum(r.metrics.num_accepted_tokens for r in together) > 0
+
+
+def test_seeded_sampling_gives_the_same_text_alone_or_in_a_batch(smollm2):
+    """Each request samples from its own random stream: with fixed draft lengths its tokens are
+    the same whatever else runs beside it. (Rejection sampling draws random numbers per draft
+    token, so adaptive lengths, which follow the load, need coupled sampling for this.)"""
+    ngram = NgramDrafter(1, 3)
+    engine = Engine(smollm2, ngram, 10, None)
+
+    def params(i):
+        return SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i, max_new_tokens=32)
+
+    jobs = _jobs(params, ngram)
+    together = _decode_together(engine, jobs, join_steps=[0, 2, 2, 0, 5, 1])
+    for (prompt, p, drafter, num_draft), result in zip(jobs, together):
+        alone = _decode_together(engine, [(prompt, p, drafter, num_draft)], join_steps=[0])[0]
+        assert result.token_ids == alone.token_ids
+    # Different seeds really differ (the test would pass vacuously if sampling ignored them).
+    first = _decode_together(engine, [(PROMPTS[7], SamplingParams(temperature=1.0, seed=1, max_new_tokens=24), ngram, None)], [0])
+    second = _decode_together(engine, [(PROMPTS[7], SamplingParams(temperature=1.0, seed=2, max_new_tokens=24), ngram, None)], [0])
+    assert first[0].token_ids != second[0].token_ids
+
+
+def _chain(length: int, key: str) -> Draft:
+    return Draft(torch.arange(length), None, key)
+
+
+def test_controller_drafts_long_alone_less_under_load_and_nothing_when_it_cannot_pay():
+    controller = BatchController()
+    # A CPU-like cost curve: 1 row 10 ms, 16 rows 20 ms, then every row costs (weights re-read).
+    for rows, ms in ((1, 10), (8, 15), (16, 20), (32, 40), (64, 80), (128, 160), (256, 320), (512, 640)):
+        controller.observe_forward(rows, ms / 1000)
+    policy = controller.new_policy()
+    for _ in range(30):  # this kind of draft is almost always accepted
+        policy.observe_verdict("good", 6, 6)
+
+    def per_sequence(batch: int) -> list[int]:
+        drafts = [(policy, _chain(6, "good")) for _ in range(batch)]
+        return controller.allocate(drafts, num_fixed_rows=batch, num_fixed_tokens=batch).sizes
+
+    assert per_sequence(1) == [6]  # alone: the whole draft pays
+    four = per_sequence(4)
+    assert 0 < sum(four) and max(four) - min(four) <= 1  # equal requests get equal shares
+    means = [sum(per_sequence(batch)) / batch for batch in (1, 2, 4, 8, 16, 64)]
+    assert means == sorted(means, reverse=True) and means[0] > means[2]  # less as the batch fills
+    assert means[-1] == 0  # 64 rows already cost every row: no draft can pay
+    # Unmeasured machine: measure a plain step first.
+    assert BatchController().allocate([(policy, _chain(6, "good"))] * 4, 4, 4).sizes == [0] * 4
+
+
+def test_controller_prefers_the_sequence_whose_drafts_get_accepted():
+    controller = BatchController()
+    for rows, ms in ((2, 10), (4, 12), (8, 20), (16, 40)):
+        controller.observe_forward(rows, ms / 1000)
+    good, poor = controller.new_policy(), controller.new_policy()
+    for _ in range(30):
+        good.observe_verdict("k", 4, 4)
+        poor.observe_verdict("k", 4, 0)
+    allocation = controller.allocate([(good, _chain(4, "k")), (poor, _chain(4, "k"))], 2, 2)
+    assert allocation.sizes[0] > allocation.sizes[1]

@@ -1,0 +1,224 @@
+"""`draftwise serve` on the real SmolLM2-135M (its shipped GGUF blocks, as `draftwise generate`
+runs it), on a loopback port: the official openai client, many concurrent streams, a client
+that disconnects, bad input, a schema fuzz and a bounded load test."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+import draftwise
+from draftwise import SamplingParams
+from draftwise.engine import Engine
+from draftwise.server import ServerSettings, ServerThread
+from tests.conftest import PROMPTS
+
+API_KEY = "test-key"
+LOAD_TEST_SECONDS = float(os.environ.get("DRAFTWISE_LOAD_TEST_SECONDS", "30"))
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return draftwise.load("smollm2-135m", drafter="ngram", progress=False)
+
+
+@pytest.fixture(scope="module")
+def plain(engine):
+    """Plain greedy decoding on the same weights: the reference every greedy answer must equal."""
+    return Engine(engine.target)
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    with ServerThread(engine, max_batch=16, settings=ServerSettings(api_key=API_KEY, max_body_bytes=200_000)) as live:
+        yield live
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def _metric(server, name: str) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    match = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.MULTILINE)
+    assert match, f"{name} missing from /metrics"
+    return float(match.group(1))
+
+
+def test_openai_client_chat_and_completions_equal_draftwise_generate(server, client, plain):
+    prompt = "List three uses of a paperclip."
+    cli = subprocess.run([sys.executable, "-m", "draftwise.cli", "generate", prompt, "--chat", "--max-new-tokens", "40",
+                          "--json", "--quiet"], capture_output=True, text=True, timeout=300, check=True)
+    expected = json.loads(cli.stdout)["text"]
+    messages = [{"role": "user", "content": prompt}]
+    chat = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=40, temperature=0)
+    assert chat.choices[0].message.content == expected
+    assert chat.choices[0].finish_reason in ("stop", "length")
+    assert chat.usage.completion_tokens > 0
+    speculative = chat.usage.model_extra["speculative"]
+    assert speculative["draft_tokens"] >= speculative["accepted_tokens"] >= 0
+    assert speculative["mean_accepted_length"] >= 1.0
+
+    chunks = list(client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=40, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == expected
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_extra["speculative"]["target_forwards"] > 0
+
+    text_prompt = PROMPTS[2]
+    reference = plain.generate(text_prompt, SamplingParams(max_new_tokens=32)).text
+    completion = client.completions.create(model="smollm2-135m", prompt=text_prompt, max_tokens=32, temperature=0)
+    assert completion.choices[0].text == reference
+    stream = client.completions.create(model="smollm2-135m", prompt=text_prompt, max_tokens=32, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == reference
+    assert [m.id for m in client.models.list()] == ["smollm2-135m"]
+
+
+def _jobs():
+    """16 requests: all twelve prompts plus four, with different output lengths."""
+    return [(PROMPTS[i % len(PROMPTS)], 16 + 8 * (i % 5)) for i in range(16)]
+
+
+def _stream(client, prompt, max_tokens, **sampling) -> str:
+    kwargs = dict(model="smollm2-135m", max_tokens=max_tokens, stream=True, **sampling)
+    if isinstance(prompt, str):
+        return "".join(c.choices[0].text for c in client.completions.create(prompt=prompt, **kwargs) if c.choices)
+    return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(messages=prompt, **kwargs)
+                   if c.choices)
+
+
+def _concurrently(function, jobs) -> list:
+    results, errors = [None] * len(jobs), []
+
+    def run(index, job):
+        try:
+            results[index] = function(*job)
+        except Exception as error:  # collected and reported below, with the request
+            errors.append((index, error))
+
+    threads = [threading.Thread(target=run, args=(i, job)) for i, job in enumerate(jobs)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=600)
+    assert not errors, errors
+    return results
+
+
+def test_16_concurrent_greedy_streams_equal_their_sequential_outputs(server, client, plain):
+    jobs = _jobs()
+    expected = [plain.generate(prompt, SamplingParams(max_new_tokens=n)).text for prompt, n in jobs]
+    served_before = _metric(server, "draftwise_generated_tokens_total")
+    got = _concurrently(lambda prompt, n: _stream(client, prompt, n, temperature=0), jobs)
+    assert got == expected
+    assert _metric(server, "draftwise_generated_tokens_total") > served_before
+    assert _metric(server, "draftwise_batch_size") == 0  # every slot freed
+
+
+def test_16_concurrent_seeded_streams_equal_the_same_requests_served_alone(server, client):
+    jobs = [(prompt, n, 1000 + i) for i, (prompt, n) in enumerate(_jobs())]
+
+    def sample(prompt, n, seed):
+        return _stream(client, prompt, n, temperature=0.8, top_p=0.95, seed=seed,
+                       extra_body={"sampling_mode": "coupled"})
+
+    alone = [sample(*job) for job in jobs]
+    together = _concurrently(sample, jobs)
+    assert together == alone
+    assert len(set(alone)) > 1
+
+
+def test_a_client_that_disconnects_frees_its_slot_and_others_keep_streaming(server, client, plain):
+    cancelled_before = _metric(server, "draftwise_cancelled_requests_total")
+    body = {"model": "smollm2-135m", "messages": PROMPTS[0], "max_tokens": 2000, "temperature": 0, "stream": True}
+    other = threading.Thread(target=lambda: results.append(_stream(client, PROMPTS[7], 48, temperature=0)))
+    results: list[str] = []
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as http:
+        with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            other.start()
+            lines = response.iter_lines()
+            for _ in range(6):
+                next(lines)
+        # Leaving the block closes the connection mid-stream.
+    other.join(timeout=300)
+    assert results == [plain.generate(PROMPTS[7], SamplingParams(max_new_tokens=48)).text]
+    deadline = time.monotonic() + 30
+    while _metric(server, "draftwise_cancelled_requests_total") <= cancelled_before or _metric(server, "draftwise_batch_size"):
+        assert time.monotonic() < deadline, "the disconnected request kept its slot"
+        time.sleep(0.2)
+
+
+LONG_PROMPT = "hello " * 9000  # > SmolLM2's 8192-token context, < the 200 kB body limit
+
+BAD_INPUTS = [
+    # (name, raw body or JSON, headers, status, words the message must contain)
+    ("malformed JSON", b'{"messages": [', {}, 400, "not valid JSON"),
+    ("wrong type", {"messages": "hi"}, {}, 400, "messages"),
+    ("wrong type of max_tokens", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": "many"}, {}, 400, "max_tokens"),
+    ("negative max_tokens", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": -5}, {}, 400, "max_tokens"),
+    ("huge max_tokens", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**9}, {}, 400, "8192"),
+    ("temperature < 0", {"messages": [{"role": "user", "content": "hi"}], "temperature": -0.5}, {}, 400, "temperature"),
+    ("top_p > 1", {"messages": [{"role": "user", "content": "hi"}], "top_p": 1.5}, {}, 400, "top_p"),
+    ("top_p = 0", {"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, {}, 400, "top_p"),
+    ("n > 1", {"messages": [{"role": "user", "content": "hi"}], "n": 3}, {}, 400, "n > 1"),
+    ("empty messages", {"messages": []}, {}, 400, "messages"),
+    ("blank messages", {"messages": [{"role": "user", "content": "   "}]}, {}, 400, "content"),
+    ("unknown role", {"messages": [{"role": "wizard", "content": "hi"}]}, {}, 400, "role"),
+    ("oversize body", {"messages": [{"role": "user", "content": "x" * 300_000}]}, {}, 413, "200000"),
+    ("prompt beyond the context", {"messages": [{"role": "user", "content": LONG_PROMPT}]}, {}, 400, "8192"),
+    ("wrong API key", {"messages": [{"role": "user", "content": "hi"}]}, {"Authorization": "Bearer nope"}, 401, "API key"),
+    ("no API key", {"messages": [{"role": "user", "content": "hi"}]}, {"Authorization": ""}, 401, "API key"),
+    ("wrong model", {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}, {}, 404, "gpt-4o"),
+    ("bad speculative", {"messages": [{"role": "user", "content": "hi"}], "speculative": {"num_draft_tokens": -1}}, {},
+     400, "num_draft_tokens"),
+    ("logprobs", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, {}, 400, "logprobs"),
+]
+
+
+@pytest.mark.parametrize("name, body, headers, status, words", BAD_INPUTS, ids=[case[0] for case in BAD_INPUTS])
+def test_bad_input_gets_a_clear_4xx_in_openai_format(server, name, body, headers, status, words):
+    sent = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json", **headers}
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = httpx.post(server.url + "/v1/chat/completions", content=content, headers=sent, timeout=60)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert words in error["message"]
+
+
+def test_a_completion_prompt_beyond_the_context_names_both_numbers(server):
+    response = httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60,
+                          json={"prompt": "one two three", "max_tokens": 8190})
+    assert response.status_code == 400
+    message = response.json()["error"]["message"]
+    assert "8190" in message and "8192" in message and "prompt (" in message
+
+
+def test_the_queue_limit_answers_429_with_retry_after(engine):
+    with ServerThread(engine, max_batch=1, max_queue=1) as small:
+        body = {"prompt": "Count to one hundred:", "max_tokens": 64, "temperature": 0}
+        statuses: list[httpx.Response] = []
+
+        def post():
+            statuses.append(httpx.post(small.url + "/v1/completions", json=body, timeout=120))
+
+        threads = [threading.Thread(target=post) for _ in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    codes = sorted(r.status_code for r in statuses)
+    assert codes.count(200) >= 2 and codes.count(429) >= 1 and set(codes) <= {200, 429}
+    refused = next(r for r in statuses if r.status_code == 429)
+    assert int(refused.headers["Retry-After"]) >= 1 and refused.json()["error"]["code"] == "queue_full"
