@@ -15,6 +15,7 @@ from draftwise.errors import DraftwiseError
 
 
 def _add_generate(subparsers) -> None:
+    from draftwise.config import SAMPLING_MODES, SamplingParams
 
     cmd = subparsers.add_parser("generate", help="generate text with speculative decoding",
                                 description="Generate text; prints the text, then one line of statistics on stderr.")
@@ -25,6 +26,9 @@ def _add_generate(subparsers) -> None:
     cmd.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 = off")
     cmd.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability; 0 = off")
     cmd.add_argument("--seed", type=int, help="seed for reproducible sampling")
+    cmd.add_argument("--sampling-mode", default=SamplingParams().sampling_mode, choices=list(SAMPLING_MODES),
+                     help="rejection: rejection sampling; coupled: the text depends on the seed alone, whatever the "
+                          f"drafter and draft lengths (default: {SamplingParams().sampling_mode})")
     cmd.add_argument("--max-new-tokens", type=int, default=128)
     cmd.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     cmd.add_argument("--threads", type=int, help="CPU threads (default: PyTorch's, one per core)")
@@ -102,8 +106,14 @@ def _add_serve(subparsers) -> None:
     cmd.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every /v1 request")
     cmd.add_argument("--max-tokens-default", type=int, default=DEFAULT_MAX_TOKENS,
                      help=f"output limit of a request that sets none (default: {DEFAULT_MAX_TOKENS})")
-    cmd.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS")
+    cmd.add_argument("--max-tokens-limit", type=int, help="refuse requests asking for more output tokens than this "
+                                                          "(default: whatever the context has room for)")
+    cmd.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
+                     help="a request still running after this long is dropped (408; default: 600)")
     cmd.add_argument("--max-body-bytes", type=int, default=1_000_000)
+    cmd.add_argument("--sampling-mode", default="coupled", choices=["rejection", "coupled"],
+                     help="for requests that set no sampling_mode (default: coupled: a seeded request's text never "
+                          "depends on what else is in the batch)")
     cmd.add_argument("--threads", type=int, help="CPU threads (default: PyTorch's, one per core)")
     cmd.add_argument("--quiet", action="store_true", help="no progress bars")
     cmd.set_defaults(handler=_serve)
@@ -120,11 +130,15 @@ def _serve(args) -> int:
     for flag in ("port", "max_queue", "prefill_chunk", "max_tokens_default", "max_body_bytes"):
         if getattr(args, flag) < (0 if flag == "max_queue" else 1):
             raise ConfigError(f"--{flag.replace('_', '-')} {getattr(args, flag)} is invalid: give a positive number.")
-    if args.max_batch is not None and args.max_batch < 1:
-        raise ConfigError(f"--max-batch {args.max_batch} is invalid: give at least 1.")
+    for flag in ("max_batch", "max_tokens_limit"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} {getattr(args, flag)} is invalid: give at least 1.")
+    if args.request_timeout <= 0:
+        raise ConfigError(f"--request-timeout {args.request_timeout} is invalid: give a positive number of seconds.")
     engine = _load_engine(args)
     settings = ServerSettings(api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                              request_timeout_s=args.request_timeout, default_max_tokens=args.max_tokens_default)
+                              request_timeout_s=args.request_timeout, default_max_tokens=args.max_tokens_default,
+                              max_tokens_limit=args.max_tokens_limit, sampling_mode=args.sampling_mode)
     serve(engine, args.host, args.port, args.max_batch, args.max_queue, args.prefill_chunk, settings)
     return 0
 
@@ -277,7 +291,7 @@ def _generate(args) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     params = SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
-        max_new_tokens=args.max_new_tokens, stop=tuple(args.stop),
+        max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), sampling_mode=args.sampling_mode,
     )
     engine = _load_engine(args)
     request = [{"role": "user", "content": prompt}] if args.chat else prompt

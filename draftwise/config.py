@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from draftwise.errors import ConfigError
 
 
+SAMPLING_MODES = ("rejection", "coupled")
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How tokens are chosen from the TARGET's distribution.
@@ -23,6 +26,11 @@ class SamplingParams:
     seed: int | None = None
     max_new_tokens: int = 128
     stop: tuple[str, ...] = ()
+    # "rejection": rejection sampling (Leviathan et al.): accepts more of a draft model's
+    # tokens, but the text depends on the draft lengths. "coupled": token t is
+    # argmax(log p_t + Gumbel noise keyed by (seed, t)), so the text depends on the seed alone,
+    # whatever the drafter, the draft lengths or the batch (draftwise.sampling).
+    sampling_mode: str = "rejection"
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:
@@ -38,6 +46,8 @@ class SamplingParams:
             raise ConfigError(f"min_p={self.min_p} is invalid: it must be in [0, 1); 0 disables it.")
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens={self.max_new_tokens} is invalid: it must be at least 1.")
+        if self.sampling_mode not in SAMPLING_MODES:
+            raise ConfigError(f"sampling_mode={self.sampling_mode!r} is invalid: use one of {', '.join(SAMPLING_MODES)}.")
         if isinstance(self.stop, str):  # a lone string would be iterated character by character
             object.__setattr__(self, "stop", (self.stop,))
         if any(not s for s in self.stop):
@@ -46,6 +56,11 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def is_coupled(self) -> bool:
+        """Sampling whose text is a function of (seed, prompt) only (sampling_mode="coupled")."""
+        return self.sampling_mode == "coupled" and not self.is_greedy
 
 
 # Most draft tokens per step, per drafter, when not given. With the adaptive draft length

@@ -7,8 +7,9 @@ speculative path share every line that could make their outputs differ.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -126,6 +127,8 @@ class Engine:
         # The context never exceeds prompt + max_new_tokens; a verify forward holds k more.
         max_length = min(len(prompt_ids) + params.max_new_tokens, max_context)
         capacity = max_length + self.num_draft_tokens + 1
+        if params.is_coupled and params.seed is None:  # the noise needs a seed: a fresh one per request
+            params = replace(params, seed=secrets.randbits(63))
         generator = make_generator(params.seed)
         drafter.begin(params, generator, capacity)
         return Sequence(prompt_ids, params, drafter, policy, num_draft_tokens, generator, model.new_cache(capacity),

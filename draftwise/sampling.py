@@ -1,4 +1,12 @@
-"""Logits -> probabilities under SamplingParams, and seeded sampling from them."""
+"""Logits -> probabilities under SamplingParams, and seeded sampling from them.
+
+Coupled sampling (sampling_mode="coupled"): the token at position t is
+argmax(log p_t + g_t), with g_t Gumbel noise over the vocabulary drawn from a generator keyed
+by (seed, t) alone. Gumbel-max makes that an exact sample from p_t (after temperature and the
+filters), independent across positions; and since the noise of a position never depends on
+what was drafted, verification accepts a draft token exactly when it equals that token, and the
+text is the same whatever the drafter, the draft lengths or the batch.
+"""
 
 from __future__ import annotations
 
@@ -40,6 +48,32 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     """Draw one token id per row of probs [..., vocab] -> [...]."""
     flat = probs.reshape(-1, probs.shape[-1])
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(seed: int, position: int) -> int:
+    """splitmix64 of (seed, position): nearby positions get unrelated generator seeds."""
+    z = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+def gumbel_noise(seed: int, position: int, vocab_size: int) -> torch.Tensor:
+    """Gumbel noise [vocab] for output position `position`: a function of (seed, position)."""
+    generator = torch.Generator().manual_seed(_mix(seed, position))
+    uniform = torch.rand(vocab_size, generator=generator).clamp_(min=1e-30)  # never log(0)
+    return -torch.log(-torch.log(uniform))
+
+
+def coupled_scores(logits: torch.Tensor, params: SamplingParams, positions: list[int]) -> torch.Tensor:
+    """Rows [n, vocab] whose argmax is the coupled sample of each row's position: log p + g.
+    Filtered-out tokens score -inf, so they are never chosen."""
+    log_probs = logits_to_probs(logits, params).log()
+    noise = torch.stack([gumbel_noise(params.seed, position, logits.shape[-1]) for position in positions])
+    return log_probs + noise
 
 
 def make_generator(seed: int | None) -> torch.Generator:

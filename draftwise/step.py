@@ -22,7 +22,7 @@ from draftwise.config import SamplingParams
 from draftwise.controller import BatchController
 from draftwise.drafters.base import Draft, empty_draft
 from draftwise.models.base import Segment
-from draftwise.sampling import logits_to_probs
+from draftwise.sampling import coupled_scores, logits_to_probs
 from draftwise.sequence import Sequence
 from draftwise.verify import Verdict, verify_greedy, verify_rejection, verify_tree_greedy, verify_tree_rejection
 
@@ -130,7 +130,7 @@ def _finish_chunk(seq: Sequence, rows: range, logits: torch.Tensor, hidden: torc
     seq.num_prefilled = rows.stop
     if seq.prefilling:
         return
-    verdict = choose(empty_draft(), logits, seq.params, seq.generator)
+    verdict = choose(empty_draft(), logits, seq.params, seq.generator, [len(seq.prompt_ids)])
     seq.metrics.prefill_s = time.perf_counter() - seq.started
     seq.metrics.record_step(0, 0, 1)
     seq.commit([verdict.next_token])
@@ -141,7 +141,9 @@ def _verify_and_commit(seq: Sequence, draft: Draft, logits: torch.Tensor, hidden
     tic = time.perf_counter()
     num_committed = seq.context.shape[0]
     num_proposed = draft.tokens.shape[0]
-    verdict = choose(draft, logits, seq.params, seq.generator)
+    depths = tree.depths(draft.parents).tolist() if draft.is_tree else list(range(1, num_proposed + 1))
+    # Row 0 predicts the token at position num_committed, a node's row the one after it.
+    verdict = choose(draft, logits, seq.params, seq.generator, [num_committed + d for d in [0] + depths])
     path = verdict.accepted_nodes()
     policy = seq.policy
     if policy is not None and num_proposed:
@@ -158,13 +160,19 @@ def _verify_and_commit(seq: Sequence, draft: Draft, logits: torch.Tensor, hidden
     metrics = seq.metrics
     metrics.target_forward_s += forward_s
     metrics.verify_s += forward_s + time.perf_counter() - tic
-    depth = int(tree.depths(draft.parents).max()) if draft.is_tree and num_proposed else num_proposed
-    metrics.record_step(num_proposed, verdict.num_accepted, verdict.num_accepted + 1, depth)
+    metrics.record_step(num_proposed, verdict.num_accepted, verdict.num_accepted + 1, max(depths, default=0))
     seq.commit(draft.tokens[path].tolist() + [verdict.next_token])
 
 
-def choose(draft: Draft, target_logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> Verdict:
-    """Verify a (possibly empty) chain or tree draft against target logits [n + 1, vocab]."""
+def choose(draft: Draft, target_logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
+           positions: list[int]) -> Verdict:
+    """Verify a (possibly empty) chain or tree draft against target logits [n + 1, vocab];
+    positions: the output position each row predicts (coupled sampling keys its noise by it)."""
+    if params.is_coupled:  # the target's own sample of every row; a draft token must equal it
+        scores = coupled_scores(target_logits, params, positions)
+        if draft.is_tree:
+            return verify_tree_greedy(draft.tokens, draft.parents, scores)
+        return verify_greedy(draft.tokens, scores)
     if draft.is_tree:
         if params.is_greedy:
             return verify_tree_greedy(draft.tokens, draft.parents, target_logits)

@@ -117,15 +117,19 @@ def test_greedy_eagle_trees_in_a_batch_equal_plain_greedy(smollm2, eagle_drafter
     assert sum(r.metrics.num_accepted_tokens for r in together) > 0
 
 
-def test_seeded_sampling_gives_the_same_text_alone_or_in_a_batch(smollm2):
-    """Each request samples from its own random stream: with fixed draft lengths its tokens are
-    the same whatever else runs beside it. (Rejection sampling draws random numbers per draft
-    token, so adaptive lengths, which follow the load, need coupled sampling for this.)"""
+@pytest.mark.parametrize("mode, draft_length", [("rejection", "fixed"), ("coupled", "adaptive")])
+def test_seeded_sampling_gives_the_same_text_alone_or_in_a_batch(smollm2, mode, draft_length):
+    """Each request samples from its own random stream, so its tokens are the same whatever
+    else runs beside it: with rejection sampling when draft lengths are fixed (it draws random
+    numbers per draft token, and adaptive lengths follow the load), with coupled sampling
+    whatever the lengths."""
+    from draftwise.draft_length import DraftLengthPolicy
+
     ngram = NgramDrafter(1, 3)
-    engine = Engine(smollm2, ngram, 10, None)
+    engine = Engine(smollm2, ngram, 10, DraftLengthPolicy() if draft_length == "adaptive" else None)
 
     def params(i):
-        return SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i, max_new_tokens=32)
+        return SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i, max_new_tokens=32, sampling_mode=mode)
 
     jobs = _jobs(params, ngram)
     together = _decode_together(engine, jobs, join_steps=[0, 2, 2, 0, 5, 1])

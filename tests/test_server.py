@@ -15,6 +15,7 @@ import time
 import httpx
 import openai
 import pytest
+from hypothesis import HealthCheck, settings
 
 import draftwise
 from draftwise import SamplingParams
@@ -222,3 +223,101 @@ def test_the_queue_limit_answers_429_with_retry_after(engine):
     assert codes.count(200) >= 2 and codes.count(429) >= 1 and set(codes) <= {200, 429}
     refused = next(r for r in statuses if r.status_code == 429)
     assert int(refused.headers["Retry-After"]) >= 1 and refused.json()["error"]["code"] == "queue_full"
+
+
+@pytest.fixture(scope="module")
+def fuzz_server(engine):
+    """Output capped at 16 tokens (asking for more is a 400), so the fuzz spends its time on
+    many requests rather than on a few long generations."""
+    settings = ServerSettings(api_key=API_KEY, max_body_bytes=200_000, default_max_tokens=16, max_tokens_limit=16)
+    with ServerThread(engine, max_batch=8, settings=settings) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def served_schema(fuzz_server):
+    import schemathesis
+
+    return schemathesis.openapi.from_url(fuzz_server.url + "/openapi.json")
+
+
+def _fuzz_schema():
+    import schemathesis
+
+    return schemathesis.pytest.from_fixture("served_schema")
+
+
+fuzz_schema = _fuzz_schema()
+
+
+@fuzz_schema.parametrize()
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+def test_fuzzing_the_served_openapi_schema_finds_no_server_error(case, fuzz_server):
+    """Property-based requests generated from GET /openapi.json (valid and invalid bodies,
+    every route): never a 5xx, and every 4xx in OpenAI's error format."""
+    response = case.call(headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120)
+    assert response.status_code < 500, (case.body, response.text)
+    if response.status_code >= 400:
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) / 1024
+
+
+def test_load_32_clients_no_errors_bounded_memory_and_429_beyond_the_queue(engine):
+    """32 clients, each sending request after request (chat and text, streamed and not, greedy
+    and seeded sampling) for DRAFTWISE_LOAD_TEST_SECONDS (30 s here; the README's run used 120)
+    against a server with 8 batch slots and 8 queue places: no 5xx, no transport error,
+    429s beyond the queue, memory flat after warm-up."""
+    import random
+
+    counts = {"ok": 0, "429": 0, "errors": []}
+    lock = threading.Lock()
+    with ServerThread(engine, max_batch=8, max_queue=8) as live:
+        deadline = time.monotonic() + LOAD_TEST_SECONDS
+        rss: list[float] = []
+
+        def client_loop(index: int) -> None:
+            rng = random.Random(index)
+            with httpx.Client(base_url=live.url, timeout=120) as http:
+                while time.monotonic() < deadline:
+                    prompt = rng.choice(PROMPTS)
+                    body = {"max_tokens": rng.randint(4, 40), "temperature": rng.choice([0, 0.7]), "seed": rng.randint(0, 99),
+                            "stream": rng.random() < 0.5}
+                    path = "/v1/completions" if isinstance(prompt, str) else "/v1/chat/completions"
+                    body["prompt" if isinstance(prompt, str) else "messages"] = prompt
+                    try:
+                        response = http.post(path, json=body)
+                        text = response.text
+                    except httpx.HTTPError as error:
+                        with lock:
+                            counts["errors"].append(repr(error))
+                        continue
+                    with lock:
+                        if response.status_code == 200 and (not body["stream"] or text.endswith("data: [DONE]\n\n")):
+                            counts["ok"] += 1
+                        elif response.status_code == 429:
+                            counts["429"] += 1
+                        else:
+                            counts["errors"].append((response.status_code, text[:200]))
+                    if response.status_code == 429:
+                        time.sleep(float(response.headers["Retry-After"]) * rng.random())
+
+        def watch_memory() -> None:
+            while time.monotonic() < deadline:
+                rss.append(_rss_mb())
+                time.sleep(1)
+
+        threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(32)]
+        threads.append(threading.Thread(target=watch_memory))
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=LOAD_TEST_SECONDS + 300)
+        assert _metric(live, "draftwise_batch_size") == 0
+    assert counts["errors"] == []
+    assert counts["ok"] >= 32 and counts["429"] > 0
+    warm = rss[len(rss) // 4:]
+    assert max(warm) - warm[0] < 300, f"memory grew from {warm[0]:.0f} MB to {max(warm):.0f} MB under steady load"

@@ -11,7 +11,7 @@ from draftwise.drafters.base import Draft
 from draftwise.errors import IncompatibleDrafterError
 from draftwise.kv_cache import KVCache
 from draftwise.models.base import CausalLM
-from draftwise.sampling import logits_to_probs, sample
+from draftwise.sampling import gumbel_noise, logits_to_probs, sample
 
 
 class ModelDrafter:
@@ -49,7 +49,11 @@ class ModelDrafter:
                 token = logits.argmax()
             else:
                 token_probs = logits_to_probs(logits, self.params)  # [vocab]
-                token = sample(token_probs, self.generator)
+                if self.params.is_coupled:  # the target's noise for this position: agree where q ~ p
+                    noise = gumbel_noise(self.params.seed, context.shape[0] + index, token_probs.shape[-1])
+                    token = (token_probs.log() + noise).argmax()
+                else:
+                    token = sample(token_probs, self.generator)
                 probs.append(token_probs)
             tokens.append(token)
             if index + 1 < num_draft_tokens:  # the last draft token is fed only if accepted

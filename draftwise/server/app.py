@@ -42,6 +42,9 @@ class ServerSettings:
     max_body_bytes: int = 1_000_000
     request_timeout_s: float = 600.0
     default_max_tokens: int = DEFAULT_MAX_TOKENS
+    max_tokens_limit: int | None = None  # the most output tokens a request may ask for (None: the context's room)
+    # Of requests that name none. Coupled: a seeded request's text never depends on the batch.
+    sampling_mode: str = "coupled"
 
 
 class APIError(Exception):
@@ -146,9 +149,9 @@ def create_app(engine: Engine, scheduler: Scheduler, settings: ServerSettings = 
             prompt_ids = engine.encode(prompt)
         except DraftwiseError as error:
             raise APIError(400, str(error), param="messages" if kind == "chat" else "prompt") from None
-        max_tokens = _max_tokens(body, len(prompt_ids), max_context, settings.default_max_tokens, kind)
+        max_tokens = _max_tokens(body, len(prompt_ids), max_context, settings, kind)
         try:
-            params = body.sampling_params(max_tokens)
+            params = body.sampling_params(max_tokens, settings.sampling_mode)
         except DraftwiseError as error:
             raise APIError(400, str(error)) from None
         loop = asyncio.get_running_loop()
@@ -284,16 +287,20 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-def _max_tokens(body: SamplingFields, prompt_tokens: int, max_context: int, default: int, kind: str) -> int:
+def _max_tokens(body: SamplingFields, prompt_tokens: int, max_context: int, settings: ServerSettings, kind: str) -> int:
     requested = body.requested_max_tokens()
     room = max_context - prompt_tokens
     field = "max_completion_tokens" if kind == "chat" and getattr(body, "max_completion_tokens", None) else "max_tokens"
+    limit = settings.max_tokens_limit
     if requested is None:
         if room < 1:
             raise APIError(400, f"the prompt has {prompt_tokens} tokens, the model's whole context of {max_context}: "
                                 "shorten the prompt.", param="messages" if kind == "chat" else "prompt",
                            code="context_length_exceeded")
-        return min(default, room)
+        return min(settings.default_max_tokens, room, limit or room)
+    if limit is not None and requested > limit:
+        raise APIError(400, f"{field}={requested} is above this server's limit of {limit} (--max-tokens-limit): "
+                            f"ask for at most {limit}.", param=field, code="invalid_value")
     if prompt_tokens + requested > max_context:
         raise APIError(400, f"prompt ({prompt_tokens} tokens) + {field} ({requested}) = {prompt_tokens + requested} "
                             f"exceeds the model's context of {max_context} tokens: lower {field} or shorten the prompt.",

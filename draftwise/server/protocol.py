@@ -46,6 +46,9 @@ class SamplingFields(BaseModel):
     n: int = Field(default=1, ge=1)
     logprobs: bool | int | None = None
     speculative: SpeculativeOptions | Literal["off"] | None = None
+    # "coupled": the text depends on the seed alone, never on the batch or the drafts
+    # (draftwise.sampling); "rejection": rejection sampling. None: the server's default.
+    sampling_mode: Literal["rejection", "coupled"] | None = None
 
     @field_validator("n")
     @classmethod
@@ -80,10 +83,11 @@ class SamplingFields(BaseModel):
             return 0
         return None if self.speculative is None else self.speculative.num_draft_tokens
 
-    def sampling_params(self, max_new_tokens: int) -> SamplingParams:
+    def sampling_params(self, max_new_tokens: int, default_mode: str) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
-                              seed=self.seed, max_new_tokens=max_new_tokens, stop=stop)
+                              seed=self.seed, max_new_tokens=max_new_tokens, stop=stop,
+                              sampling_mode=self.sampling_mode or default_mode)
 
 
 class TextPart(BaseModel):
