@@ -1,6 +1,9 @@
 """Continuous batching: requests join and leave the running batch between steps.
 
-One worker thread owns the model. Each loop it admits waiting requests up to the batch limit,
+One thread owns the model: `run()` on the calling thread (`draftwise serve` runs it on the
+main thread: ATen's OpenMP parallel regions started from any other thread cost about 2x more
+here, measured 50 vs 127 us for one small linear, 19 vs 40 ms for a SmolLM2 forward), or
+`start()` on a thread of its own (tests, notebooks). Each loop it admits waiting requests up to the batch limit,
 runs ONE batched step (draftwise.step) over every running sequence (long prompts enter in
 chunks, interleaved with everyone else's decoding, so one long prompt never freezes the other
 streams), then hands each request its new text and retires the finished and the cancelled (a
@@ -77,9 +80,11 @@ class Scheduler:
         self.running: list[Request] = []
         self._wake = threading.Condition()
         self._stopped = False
-        self._thread = threading.Thread(target=self._loop, name="draftwise-scheduler", daemon=True)
+        self._thread: threading.Thread | None = None
 
     def start(self) -> "Scheduler":
+        """Run the loop on a thread of its own."""
+        self._thread = threading.Thread(target=self.run, name="draftwise-scheduler", daemon=True)
         self._thread.start()
         return self
 
@@ -87,7 +92,8 @@ class Scheduler:
         with self._wake:
             self._stopped = True
             self._wake.notify()
-        self._thread.join(timeout=30)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
 
     @property
     def queue_depth(self) -> int:
@@ -113,7 +119,8 @@ class Scheduler:
         with self._wake:
             self._wake.notify()
 
-    def _loop(self) -> None:
+    def run(self) -> None:
+        """The loop, on the calling thread, until stop()."""
         torch.set_grad_enabled(False)
         while True:
             with self._wake:

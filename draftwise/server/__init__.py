@@ -8,6 +8,7 @@ import threading
 import time
 
 from draftwise.engine import Engine
+from draftwise.errors import DraftwiseError
 from draftwise.scheduler import DEFAULT_MAX_QUEUE, DEFAULT_PREFILL_CHUNK, Scheduler, max_batch_from_costs, measure_batch_costs
 from draftwise.server.app import ServerSettings, create_app
 
@@ -30,12 +31,28 @@ def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, max_batch: 
 
     if max_batch is None:
         max_batch = choose_max_batch(engine)
-    scheduler = Scheduler(engine, max_batch, max_queue, prefill_chunk).start()
+    scheduler = Scheduler(engine, max_batch, max_queue, prefill_chunk)
     app = create_app(engine, scheduler, settings)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5))
+
+    def http() -> None:
+        try:
+            server.run()
+        finally:  # however the HTTP side ends (shutdown, a port already in use), the loop ends too
+            scheduler.stop()
+
+    # The HTTP side on a thread, the model on this (main) thread: see draftwise.scheduler.
+    thread = threading.Thread(target=http, name="draftwise-http", daemon=True)
+    thread.start()
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+        scheduler.run()
+    except KeyboardInterrupt:
+        print("draftwise serve: interrupted, shutting down", file=sys.stderr)
     finally:
-        scheduler.stop()
+        server.should_exit = True
+        thread.join(timeout=10)
+    if not server.started:
+        raise DraftwiseError(f"could not serve on {host}:{port} (see the error above): pick another --port or --host.")
 
 
 class ServerThread:
