@@ -48,7 +48,7 @@ def test_ngram_drafter_output_equals_plain_greedy(smollm2, plain_outputs, num_dr
     assert sum(r.metrics.num_accepted_tokens for r in results) > 0  # speculation really happened
 
 
-@pytest.mark.parametrize("num_draft_tokens", [1, 3, 5, 8])
+@pytest.mark.parametrize("num_draft_tokens", [1, 3, 8])  # k=5 costs 30 s of CI and adds little between 3 and 8
 def test_model_drafter_output_equals_plain_greedy(smollm2, plain_outputs, truncated_drafter, num_draft_tokens):
     engine = Engine(smollm2, truncated_drafter, num_draft_tokens)
     results = [engine.generate(prompt, PARAMS) for prompt in PROMPTS]
