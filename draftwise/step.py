@@ -21,7 +21,7 @@ from draftwise import tree
 from draftwise.config import SamplingParams
 from draftwise.controller import BatchController
 from draftwise.drafters.base import Draft, empty_draft
-from draftwise.models.base import Segment
+from draftwise.models.base import Segment, forward_each
 from draftwise.sampling import coupled_scores, logits_to_probs
 from draftwise.sequence import Sequence
 from draftwise.verify import Verdict, verify_greedy, verify_rejection, verify_tree_greedy, verify_tree_rejection
@@ -74,7 +74,8 @@ def run_step(model, sequences: list[Sequence], controller: BatchController | Non
     report.num_rows = sum(segment.tokens.shape[0] for segment in segments)
 
     tic = time.perf_counter()
-    outputs = model.forward_batch(segments, hidden_layers)
+    batched = getattr(model, "forward_batch", None)  # a CausalLM of the user's may lack it
+    outputs = batched(segments, hidden_layers) if batched is not None else forward_each(model, segments, hidden_layers)
     report.forward_s = time.perf_counter() - tic
     if controller is not None:
         controller.observe_forward(report.num_rows, report.forward_s)

@@ -98,7 +98,7 @@ def test_greedy_batch_equals_each_request_alone(smollm2):
 
     engine = Engine(smollm2, ngram, 10, DraftLengthPolicy())
     plain = Engine(smollm2)
-    jobs = _jobs(lambda i: SamplingParams(max_new_tokens=40), ngram)
+    jobs = _jobs(lambda i: SamplingParams(max_new_tokens=28), ngram)
     together = _decode_together(engine, jobs, join_steps=[0, 0, 3, 5, 9, 9])
     for (prompt, params, _, _), result in zip(jobs, together):
         assert result.token_ids == plain.generate(prompt, params).token_ids
@@ -129,7 +129,7 @@ def test_seeded_sampling_gives_the_same_text_alone_or_in_a_batch(smollm2, mode, 
     engine = Engine(smollm2, ngram, 10, DraftLengthPolicy() if draft_length == "adaptive" else None)
 
     def params(i):
-        return SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i, max_new_tokens=32, sampling_mode=mode)
+        return SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i, max_new_tokens=20, sampling_mode=mode)
 
     jobs = _jobs(params, ngram)
     together = _decode_together(engine, jobs, join_steps=[0, 2, 2, 0, 5, 1])

@@ -43,8 +43,8 @@ def steered(model, bias_for_call):
     return type("Steered", (), {"forward": staticmethod(forward), "new_cache": model.new_cache, "info": model.info})()
 
 
-def run_all(engine: Engine):
-    return [engine.generate(prompt, PARAMS) for prompt in CROSS_PROMPTS]
+def run_all(engine: Engine, prompts=CROSS_PROMPTS):
+    return [engine.generate(prompt, PARAMS) for prompt in prompts]
 
 
 def assert_equal_and_speculated(results, expected_outputs, min_acceptance: float) -> None:
@@ -68,8 +68,9 @@ def test_smollm2_draft_for_qwen_target_equals_plain_greedy(qwen_0_5b, smollm2, q
 def test_gemma_draft_for_qwen_target_equals_plain_greedy(qwen_0_5b, gemma, qwen_plain_outputs):
     drafter = CrossVocabDrafter(gemma.model, gemma.tokenizer, qwen_0_5b.tokenizer,
                                 qwen_0_5b.model.info.vocab_size, "string")
-    results = run_all(Engine(qwen_0_5b, drafter, num_draft_tokens=4))
-    assert_equal_and_speculated(results, qwen_plain_outputs, min_acceptance=0.2)  # measured: 114/289 = 0.39
+    # Half the prompts (CI's time budget; the SmolLM2 drafts above take all ten).
+    results = run_all(Engine(qwen_0_5b, drafter, num_draft_tokens=4), CROSS_PROMPTS[:5])
+    assert_equal_and_speculated(results, qwen_plain_outputs, min_acceptance=0.2)  # measured: 114/289 = 0.39 on ten
 
 
 def test_intersection_draft_only_proposes_target_ids_with_a_twin(qwen_0_5b, smollm2):

@@ -24,7 +24,7 @@ from draftwise.server import ServerSettings, ServerThread
 from tests.conftest import PROMPTS
 
 API_KEY = "test-key"
-LOAD_TEST_SECONDS = float(os.environ.get("DRAFTWISE_LOAD_TEST_SECONDS", "20"))
+LOAD_TEST_SECONDS = float(os.environ.get("DRAFTWISE_LOAD_TEST_SECONDS", "12"))
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +119,7 @@ def test_openai_client_chat_and_completions_equal_draftwise_generate(server, cli
 
 def _jobs():
     """16 requests: all twelve prompts plus four, with different output lengths."""
-    return [(PROMPTS[i % len(PROMPTS)], 16 + 8 * (i % 5)) for i in range(16)]
+    return [(PROMPTS[i % len(PROMPTS)], 12 + 6 * (i % 5)) for i in range(16)]
 
 
 def _stream(client, prompt, max_tokens, **sampling) -> str:
@@ -300,7 +300,7 @@ def _rss_mb() -> float:
 
 def test_load_32_clients_no_errors_bounded_memory_and_429_beyond_the_queue(engine):
     """32 clients, each sending request after request (chat and text, streamed and not, greedy
-    and seeded sampling) for DRAFTWISE_LOAD_TEST_SECONDS (20 s here; the README's run used 120)
+    and seeded sampling) for DRAFTWISE_LOAD_TEST_SECONDS (12 s here; the README's run used 120)
     against a server with 8 batch slots and 8 queue places: no 5xx, no transport error,
     429s beyond the queue, memory flat after warm-up."""
     import random
