@@ -349,6 +349,8 @@ def test_load_32_clients_no_errors_bounded_memory_and_429_beyond_the_queue(engin
         for thread in threads:
             thread.join(timeout=LOAD_TEST_SECONDS + 300)
         assert _metric(live, "draftwise_batch_size") == 0
+    print(f"load: {LOAD_TEST_SECONDS:g} s, {counts['ok']} answered, {counts['429']} x 429, {len(counts['errors'])} errors, "
+          f"RSS {rss[0]:.0f} -> {max(rss):.0f} MB")  # shown with pytest -s
     assert counts["errors"] == []
     assert counts["ok"] >= 32 and counts["429"] > 0
     warm = rss[len(rss) // 4:]
