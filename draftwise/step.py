@@ -60,7 +60,7 @@ def run_step(model, sequences: list[Sequence], controller: BatchController | Non
                   for draft, size in zip(drafts, allocation.sizes)]
     report.draft_tokens_chosen = [draft.tokens.shape[0] for draft in drafts]
 
-    segments, draft_of = [], {}
+    segments, draft_of = [], {}  # draft_of: id(seq) -> (its draft, its segment)
     for seq in live:
         if seq.prefilling:
             rows = chunks[id(seq)]
@@ -69,8 +69,9 @@ def run_step(model, sequences: list[Sequence], controller: BatchController | Non
                                     torch.arange(rows.start, rows.stop), seq.cache, None, 1 if last else 0))
         else:
             draft = drafts[len(draft_of)]
-            draft_of[id(seq)] = draft
-            segments.append(_decode_segment(seq, draft))
+            segment = _decode_segment(seq, draft)
+            draft_of[id(seq)] = (draft, segment)
+            segments.append(segment)
     report.num_rows = sum(segment.tokens.shape[0] for segment in segments)
 
     tic = time.perf_counter()
@@ -86,7 +87,7 @@ def run_step(model, sequences: list[Sequence], controller: BatchController | Non
         if seq.prefilling:
             _finish_chunk(seq, chunks[id(seq)], logits, hidden)
         else:
-            _verify_and_commit(seq, draft_of[id(seq)], logits, hidden, report.forward_s)
+            _verify_and_commit(seq, *draft_of[id(seq)], logits, hidden, report.forward_s)
         report.num_committed += seq.context.shape[0] - before
     return report
 
@@ -137,14 +138,15 @@ def _finish_chunk(seq: Sequence, rows: range, logits: torch.Tensor, hidden: torc
     seq.commit([verdict.next_token])
 
 
-def _verify_and_commit(seq: Sequence, draft: Draft, logits: torch.Tensor, hidden: torch.Tensor | None,
-                       forward_s: float) -> None:
+def _verify_and_commit(seq: Sequence, draft: Draft, segment: Segment, logits: torch.Tensor,
+                       hidden: torch.Tensor | None, forward_s: float) -> None:
     tic = time.perf_counter()
     num_committed = seq.context.shape[0]
     num_proposed = draft.tokens.shape[0]
-    depths = tree.depths(draft.parents).tolist() if draft.is_tree else list(range(1, num_proposed + 1))
-    # Row 0 predicts the token at position num_committed, a node's row the one after it.
-    verdict = choose(draft, logits, seq.params, seq.generator, [num_committed + d for d in [0] + depths])
+    # Each row predicts the token one position past its own (the segment's positions hold the
+    # tree depths already: computed once per step).
+    predicted = (segment.positions + 1).tolist()
+    verdict = choose(draft, logits, seq.params, seq.generator, predicted)
     path = verdict.accepted_nodes()
     policy = seq.policy
     if policy is not None and num_proposed:
@@ -161,7 +163,8 @@ def _verify_and_commit(seq: Sequence, draft: Draft, logits: torch.Tensor, hidden
     metrics = seq.metrics
     metrics.target_forward_s += forward_s
     metrics.verify_s += forward_s + time.perf_counter() - tic
-    metrics.record_step(num_proposed, verdict.num_accepted, verdict.num_accepted + 1, max(depths, default=0))
+    depth = max(predicted) - num_committed  # how far the draft reached: a chain's length, a tree's depth
+    metrics.record_step(num_proposed, verdict.num_accepted, verdict.num_accepted + 1, depth)
     seq.commit(draft.tokens[path].tolist() + [verdict.next_token])
 
 
