@@ -8,10 +8,12 @@ Qwen2.5-Coder-1.5B (one forward over 1 + m tokens, relative to one token):
     bfloat16 (AMX): m=5 1.04x   m=10 1.05x                (drafts are free: always draft long)
     int4:           m=5 2.26x   m=10 3.39x                (every token costs: draft short)
 
-No fixed k suits all three, so the engine asks this policy. It keeps the measured seconds of a
-target forward per number of tokens scored, and, per kind of draft (the drafter's `key`, e.g.
-the n-gram match length), the acceptance rate at each draft position. Each step it keeps the
-m draft tokens that maximise expected committed tokens per second:
+No fixed k suits all three, so the engine measures. This policy keeps a request's evidence:
+per kind of draft (the drafter's `key`, e.g. the n-gram match length) the acceptance rate at
+each draft position, and the seconds of a target forward per number of tokens scored (shared
+across a batch's requests: they are the machine's). Each step draftwise.controller turns that
+into the m draft tokens worth verifying; alone, the m that maximises expected committed tokens
+per second:
 
     (1 + sum_{i<=m} prod_{j<=i} accept_j) / forward_seconds(1 + m)
 
@@ -63,10 +65,6 @@ class DraftLengthPolicy:
             sums[1] *= REQUEST_MEMORY
         self.steps_without_draft = 0
 
-    def choose(self, key: Hashable, num_available: int) -> int:
-        """How many of num_available drafted tokens of this kind to verify (0 = none)."""
-        return self._best(key, num_available, include_draft_cost=False)
-
     def choose_before_drafting(self, num_available: int) -> int:
         """How many tokens a sequential drafter should draft at all (0 = a plain step)."""
         best = self._best(None, num_available, include_draft_cost=True)
@@ -88,23 +86,6 @@ class DraftLengthPolicy:
             expected += survive
             seconds = _cost(self.forward_s, m + 1) + (_cost(self.draft_s, m) if include_draft_cost and self.draft_s else 0.0)
             rate = expected / seconds
-            if rate > best_rate:
-                best, best_rate = m, rate
-        return best
-
-    def choose_nodes(self, key: Hashable, scores: list[float]) -> int:
-        """How many nodes of a scored tree to verify (0 = none). scores: the drafter's estimate
-        that each node is accepted, best first (a node's path probability under the drafter);
-        the expected committed tokens of the first m nodes are 1 + c * sum(scores[:m]), with c
-        this kind of tree's measured ratio of accepted to predicted nodes."""
-        if not scores or 1 not in self.forward_s:
-            return 0
-        calibration = self._calibration(key)
-        best, best_rate = 0, 1.0 / self.forward_s[1]
-        expected = 1.0
-        for m, score in enumerate(scores, start=1):
-            expected += calibration * score
-            rate = expected / _cost(self.forward_s, m + 1)
             if rate > best_rate:
                 best, best_rate = m, rate
         return best
@@ -131,9 +112,6 @@ class DraftLengthPolicy:
     def _calibration(self, key: Hashable) -> float:
         accepted, predicted = self.tree_calibration.get(key, (0.0, 0.0))
         return (accepted + PRIOR_WEIGHT) / (predicted + PRIOR_WEIGHT)  # prior: the scores are calibrated
-
-    def _forward_cost(self, num_tokens: int) -> float:
-        return _cost(self.forward_s, num_tokens)
 
     def observe_forward(self, num_tokens: int, seconds: float) -> None:
         _smooth_into(self.forward_s, num_tokens, seconds)

@@ -12,6 +12,9 @@ Algorithms for Heterogeneous Vocabularies" (ICML 2025):
   to tokens spelling the same bytes in both vocabularies and renormalised; a sampled draft
   token maps to its target twin, and its probabilities map to the target's ids, so standard
   rejection sampling keeps the target's distribution exactly, with real draft probabilities.
+  In coupled sampling the draft picks, among target ids, argmax(log q + g_t) with the target's
+  own Gumbel noise g_t for that position (draftwise.sampling.gumbel_noise), so it agrees with
+  the target's token wherever q is close to p.
 
 Either way the draft model keeps its own token sequence for the committed text: each step
 re-tokenises the committed text with the draft's tokenizer and keeps the longest cached prefix
@@ -30,7 +33,7 @@ from draftwise.drafters.text_bridge import continuation_tokens, split_committed
 from draftwise.drafters.vocab import PROBE_TEXT, vocabulary_pair
 from draftwise.errors import ConfigError, IncompatibleDrafterError
 from draftwise.models.base import CausalLM
-from draftwise.sampling import logits_to_probs, sample
+from draftwise.sampling import gumbel_noise, logits_to_probs, sample
 
 # "auto": greedy requests use string (measured with a Qwen2.5-Coder-0.5B target on 10 prompts:
 # 45% of draft tokens accepted vs 33% for intersection with SmolLM2, 39% vs 31% with Gemma:
@@ -98,7 +101,7 @@ class CrossVocabDrafter:
             return empty_draft()  # nothing to read, out of draft context, or mid-character: the target goes alone
         logits = self._catch_up(draft_ids)
         if self.method == "intersection":
-            return self._propose_intersection(logits, num_draft_tokens)
+            return self._propose_intersection(logits, num_draft_tokens, context.shape[0])
         return self._propose_string(logits, num_draft_tokens, context_ids, held_back)
 
     def rollback(self, num_valid: int) -> None:
@@ -148,15 +151,20 @@ class CrossVocabDrafter:
                                      draft_bytes[len(held_back):], open_ended=not ended)
         return Draft(torch.tensor(tokens[:num_draft_tokens], dtype=torch.long), None)
 
-    def _propose_intersection(self, logits: torch.Tensor, num_draft_tokens: int) -> Draft:
+    def _propose_intersection(self, logits: torch.Tensor, num_draft_tokens: int, num_committed: int) -> Draft:
         tokens, probs = [], []
         for index in range(num_draft_tokens):
             if self.params.is_greedy:
                 token = self.intersection.argmax(logits)
             else:
                 draft_probs = self.intersection.restrict(logits, self.params)  # [draft_vocab]
-                token = int(sample(draft_probs, self.generator))
-                probs.append(self.intersection.to_target(draft_probs))
+                target_probs = self.intersection.to_target(draft_probs)
+                if self.params.is_coupled:  # the target's noise for this position: agree where q ~ p
+                    noise = gumbel_noise(self.params.seed, num_committed + index, target_probs.shape[-1])
+                    token = self.intersection.draft_twin(int((target_probs.log() + noise).argmax()), draft_probs)
+                else:
+                    token = int(sample(draft_probs, self.generator))
+                probs.append(target_probs)
             tokens.append(int(self.intersection.draft_to_target[token]))
             if index + 1 < num_draft_tokens:
                 logits = self._feed(token)
@@ -183,6 +191,12 @@ class Intersection:
 
     def argmax(self, draft_logits: torch.Tensor) -> int:
         return int((draft_logits + self.outside).argmax())
+
+    def draft_twin(self, target_id: int, draft_probs: torch.Tensor) -> int:
+        """The draft token spelling target_id that the draft finds most probable (the one fed
+        to the draft model when the coupled draft chose target_id)."""
+        candidates = self.shared_draft_ids[self.shared_target_ids == target_id]
+        return int(candidates[draft_probs[candidates].argmax()])
 
     def restrict(self, draft_logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         """[draft_vocab] logits -> [draft_vocab] probabilities, zero outside the intersection."""
