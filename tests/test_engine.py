@@ -80,9 +80,10 @@ def test_sampling_with_top_k_one_reproduces_greedy_through_the_rejection_sampler
     assert sampled.token_ids == greedy
 
 
-@pytest.mark.parametrize("drafter", ["none", "ngram", "model"])
-def test_seeded_sampling_is_reproducible(smollm2, drafters, drafter):
-    params = SamplingParams(max_new_tokens=20, temperature=1.0, top_p=0.95, seed=1234)
+@pytest.mark.parametrize("drafter, mode", [("none", "coupled"), ("ngram", "rejection"), ("model", "rejection"),
+                                           ("model", "coupled")])
+def test_seeded_sampling_is_reproducible(smollm2, drafters, drafter, mode):
+    params = SamplingParams(max_new_tokens=20, temperature=1.0, top_p=0.95, seed=1234, sampling_mode=mode)
     engine = Engine(smollm2, drafters[drafter], 4)
     first = engine.generate(PROMPTS[0], params).token_ids
     assert engine.generate(PROMPTS[0], params).token_ids == first

@@ -158,7 +158,7 @@ def test_16_concurrent_greedy_streams_equal_their_sequential_outputs(server, cli
     assert _metric(server, "draftwise_batch_size") == 0  # every slot freed
 
 
-def test_16_concurrent_seeded_streams_equal_the_same_requests_served_alone(server, client):
+def test_16_concurrent_seeded_streams_equal_the_same_requests_served_alone(server, client, plain):
     jobs = [(prompt, n // 2, 1000 + i) for i, (prompt, n) in enumerate(_jobs())]
 
     def sample(prompt, n, seed):
@@ -169,6 +169,10 @@ def test_16_concurrent_seeded_streams_equal_the_same_requests_served_alone(serve
     together = _concurrently(sample, jobs)
     assert together == alone
     assert len(set(alone)) > 1
+    # The same seed gives the same text from the Python API (default mode, no drafter) as from
+    # the server (its drafter, its batch).
+    assert alone[:3] == [plain.generate(prompt, SamplingParams(temperature=0.8, top_p=0.95, seed=seed, max_new_tokens=n)).text
+                         for prompt, n, seed in jobs[:3]]
 
 
 def test_a_client_that_disconnects_frees_its_slot_and_others_keep_streaming(server, client, plain):
