@@ -16,6 +16,10 @@ after another; the load level's wall time runs from the first request to the las
 - inter-token latency: each stream chunk's gap since the previous one, spread over the tokens
   it carries (re-tokenised), p50 / p99 over all tokens of the level;
 - TTFT: mean time to the first text.
+
+The warm-up request uses the suite's last prompt, which no level sends (with 1, 4 and 16
+clients and up to 2 requests each, levels use the first 32). llama.cpp's server reuses the
+keys and values of prompts it has seen, so it is restarted before each level.
 """
 
 from __future__ import annotations
@@ -41,6 +45,11 @@ CONFIGS = {
     "batched fixed k=10": ["--drafter", "ngram", "--draft-length", "fixed", "--num-draft-tokens", "10"],
     "llama.cpp server": None,
 }
+
+
+def stop_server(process: subprocess.Popen) -> None:
+    process.terminate()
+    process.wait(timeout=30)
 
 
 def free_port() -> int:
@@ -156,10 +165,19 @@ def main() -> int:
     levels = [int(c) for c in args.clients.split(",")]
     rows = []
     for name in args.configs.split(","):
-        process, url = start_server(name, CONFIGS[name], args.model, args.max_batch, args.threads)
+        # llama.cpp's server keeps the last prompt's keys and values and reuses any common prefix,
+        # so a prompt it saw before (the warm-up's, an earlier level's) would skip its prefill:
+        # it gets a fresh server per level, warmed up on a prompt no level sends. draftwise has
+        # no prompt cache; one server serves all its levels (its controller keeps what it learnt).
+        fresh_per_level = CONFIGS[name] is None
+        process = None
         try:
-            asyncio.run(run_level(url, args.model, prompts[:1], 1, 1, 8, tokenizer))  # warm-up
-            for clients in levels:
+            for level, clients in enumerate(levels):
+                if process is None or fresh_per_level:
+                    if process is not None:
+                        stop_server(process)
+                    process, url = start_server(name, CONFIGS[name], args.model, args.max_batch, args.threads)
+                    asyncio.run(run_level(url, args.model, prompts[-1:], 1, 1, 8, tokenizer))  # warm-up
                 row = {"config": name, **asyncio.run(run_level(url, args.model, prompts, clients, args.requests_per_client,
                                                                args.max_tokens, tokenizer))}
                 rows.append(row)
@@ -168,8 +186,8 @@ def main() -> int:
                       f"({row['tokens']} tokens, {row['prompt_tokens']} prompt tokens, {row['requests']} requests, "
                       f"{row['wall_s']:.1f} s)", flush=True)
         finally:
-            process.terminate()
-            process.wait(timeout=30)
+            if process is not None:
+                stop_server(process)
     print("\n| server | clients | tok/s | vs 1 client | ITL p50 (ms) | ITL p99 (ms) | mean TTFT (s) |")
     print("|---|---|---|---|---|---|---|")
     for row in rows:

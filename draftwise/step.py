@@ -21,7 +21,7 @@ from draftwise import tree
 from draftwise.config import SamplingParams
 from draftwise.controller import BatchController
 from draftwise.drafters.base import Draft, empty_draft
-from draftwise.models.base import Segment, forward_each
+from draftwise.models.base import Segment, forward_segments
 from draftwise.sampling import coupled_scores, logits_to_probs
 from draftwise.sequence import Sequence
 from draftwise.verify import Verdict, verify_greedy, verify_rejection, verify_tree_greedy, verify_tree_rejection
@@ -48,7 +48,7 @@ def run_step(model, sequences: list[Sequence], controller: BatchController | Non
     if not live:
         return report
     decoding = [seq for seq in live if not seq.prefilling]
-    drafts = [_propose(seq) for seq in decoding]
+    drafts = _propose_all(decoding)
     chunks = {id(seq): _prefill_rows(seq, prefill_chunk) for seq in live if seq.prefilling}
     report.num_prefill_rows = sum(len(rows) for rows in chunks.values())
     if controller is not None and decoding:
@@ -75,8 +75,7 @@ def run_step(model, sequences: list[Sequence], controller: BatchController | Non
     report.num_rows = sum(segment.tokens.shape[0] for segment in segments)
 
     tic = time.perf_counter()
-    batched = getattr(model, "forward_batch", None)  # a CausalLM of the user's may lack it
-    outputs = batched(segments, hidden_layers) if batched is not None else forward_each(model, segments, hidden_layers)
+    outputs = forward_segments(model, segments, hidden_layers)
     report.forward_s = time.perf_counter() - tic
     if controller is not None:
         controller.observe_forward(report.num_rows, report.forward_s)
@@ -92,21 +91,49 @@ def run_step(model, sequences: list[Sequence], controller: BatchController | Non
     return report
 
 
-def _propose(seq: Sequence) -> Draft:
-    """The sequence's draft for this step, at most its budget (a draft model asks its policy
-    first: it pays a forward per token)."""
-    budget = seq.draft_budget()
+def _propose_all(decoding: list[Sequence]) -> list[Draft]:
+    """Every decoding sequence's draft for this step, at most its budget (a draft model asks its
+    policy first: it pays a forward per token). Sequences whose drafters share one draft model
+    (forks of one drafter with `propose_together`) draft together: each draft forward runs once
+    for all of them, and each still gets the draft it would make alone (batch invariance)."""
+    budgets = [_budget(seq) for seq in decoding]
+    drafts: list[Draft | None] = [empty_draft() if budget == 0 else None for budget in budgets]
+    groups: dict[tuple, list[int]] = {}
+    for index, seq in enumerate(decoding):
+        if drafts[index] is None and hasattr(seq.drafter, "propose_together"):
+            groups.setdefault((type(seq.drafter), id(seq.drafter.model)), []).append(index)
+    for members in groups.values():
+        tic = time.perf_counter()
+        together = type(decoding[members[0]].drafter).propose_together(
+            [decoding[i].drafter for i in members], [decoding[i].context for i in members], [budgets[i] for i in members])
+        seconds = time.perf_counter() - tic  # the group's wall time: what each of its requests waited
+        for i, draft in zip(members, together):
+            drafts[i] = draft
+            _observe_draft(decoding[i], budgets[i], seconds)
+    for index, seq in enumerate(decoding):
+        if drafts[index] is None:
+            tic = time.perf_counter()
+            drafts[index] = seq.drafter.propose(seq.context, budgets[index])
+            _observe_draft(seq, budgets[index], time.perf_counter() - tic)
+    return drafts
+
+
+def _is_sequential(seq: Sequence) -> bool:
     # getattr: a user drafter written without the attribute is treated as free to draft.
-    sequential = seq.policy is not None and getattr(seq.drafter, "sequential", False)
-    if sequential and budget > 0:
+    return seq.policy is not None and getattr(seq.drafter, "sequential", False)
+
+
+def _budget(seq: Sequence) -> int:
+    budget = seq.draft_budget()
+    if budget > 0 and _is_sequential(seq):
         budget = seq.policy.choose_before_drafting(budget)
-    tic = time.perf_counter()
-    draft = seq.drafter.propose(seq.context, budget) if budget > 0 else empty_draft()
-    seconds = time.perf_counter() - tic
-    if sequential and budget > 0:
+    return budget
+
+
+def _observe_draft(seq: Sequence, budget: int, seconds: float) -> None:
+    if _is_sequential(seq):
         seq.policy.observe_draft(budget, seconds)
     seq.metrics.draft_s += seconds
-    return draft
 
 
 def _prefill_rows(seq: Sequence, prefill_chunk: int | None) -> range:

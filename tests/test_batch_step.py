@@ -142,6 +142,42 @@ def test_seeded_sampling_gives_the_same_text_alone_or_in_a_batch(smollm2, mode, 
     assert first[0].token_ids != second[0].token_ids
 
 
+@pytest.mark.parametrize("mode", ["greedy", "rejection"])
+def test_a_shared_draft_model_drafts_for_the_whole_batch_at_once(smollm2, mode):
+    """Requests whose drafters are forks of one draft model draft together: each draft forward
+    runs once for all of them (the draft model sees several segments per forward), and every
+    request's tokens are those it produces alone: greedy = plain greedy; seeded rejection
+    sampling with fixed draft lengths (the draft's random draws come from each request's own
+    stream, in the order they come alone)."""
+    from draftwise.drafters import ModelDrafter
+
+    draft_model = smollm2.model.truncated(12)
+    segments_per_forward = []
+    forward_batch = draft_model.forward_batch
+
+    def counting(segments, hidden_layers=()):
+        segments_per_forward.append(len(segments))
+        return forward_batch(segments, hidden_layers)
+
+    draft_model.forward_batch = counting
+    drafter = ModelDrafter(draft_model)
+    engine = Engine(smollm2, drafter, 4)
+
+    def params(i):
+        if mode == "greedy":
+            return SamplingParams(max_new_tokens=20)
+        return SamplingParams(temperature=0.8, seed=50 + i, max_new_tokens=20, sampling_mode="rejection")
+
+    jobs = [(PROMPTS[i], params(i), drafter, [4, 2, 5, 3][n]) for n, i in enumerate((1, 4, 8, 10))]
+    together = _decode_together(engine, jobs, join_steps=[0, 0, 2, 3])
+    assert max(segments_per_forward) == 4  # all four drafted in one forward
+    plain = Engine(smollm2)
+    for (prompt, p, _, num_draft), result in zip(jobs, together):
+        expected = plain.generate(prompt, p) if mode == "greedy" else _decode_together(engine, [(prompt, p, drafter, num_draft)], [0])[0]
+        assert result.token_ids == expected.token_ids
+    assert sum(r.metrics.num_accepted_tokens for r in together) > 0
+
+
 def _chain(length: int, key: str) -> Draft:
     return Draft(torch.arange(length), None, key)
 

@@ -10,7 +10,7 @@ from draftwise.config import SamplingParams
 from draftwise.drafters.base import Draft
 from draftwise.errors import IncompatibleDrafterError
 from draftwise.kv_cache import KVCache
-from draftwise.models.base import CausalLM
+from draftwise.models.base import CausalLM, Segment, forward_segments
 from draftwise.sampling import gumbel_noise, logits_to_probs, sample
 
 
@@ -37,29 +37,52 @@ class ModelDrafter:
         self.cache.truncate(0)
 
     def propose(self, context: torch.Tensor, num_draft_tokens: int) -> Draft:
-        cache = self.cache
-        # Catch up on what the draft has not seen: the tokens committed since the last step
+        return ModelDrafter.propose_together([self], [context], [num_draft_tokens])[0]
+
+    @staticmethod
+    def propose_together(drafters: list["ModelDrafter"], contexts: list[torch.Tensor],
+                         budgets: list[int]) -> list[Draft]:
+        """Drafts for several requests whose drafters share one model (forks of one drafter):
+        the catch-up forward and each draft token's forward run ONCE for all of them
+        (models.base.Segment, one per request's cache). The native decoder computes every row
+        with the same arithmetic whatever else the forward holds, so each request's draft is
+        token for token the one it would draft alone; propose() is this with one request."""
+        model = drafters[0].model
+        # Catch up on what each draft has not seen: the tokens committed since its last step
         # (usually the target's recovered/bonus token and the draft's last, unfed token).
-        start = cache.length
-        pending = context[start:]
-        logits = self.model.forward(pending, torch.arange(start, context.shape[0]), cache, num_logits=1)[-1]
-        tokens, probs = [], []
-        for index in range(num_draft_tokens):
-            if self.params.is_greedy:
-                token = logits.argmax()
-            else:
-                token_probs = logits_to_probs(logits, self.params)  # [vocab]
-                if self.params.is_coupled:  # the target's noise for this position: agree where q ~ p
-                    noise = gumbel_noise(self.params.seed, context.shape[0] + index, token_probs.shape[-1])
-                    token = (token_probs.log() + noise).argmax()
-                else:
-                    token = sample(token_probs, self.generator)
-                probs.append(token_probs)
-            tokens.append(token)
-            if index + 1 < num_draft_tokens:  # the last draft token is fed only if accepted
-                position = torch.tensor([context.shape[0] + index])
-                logits = self.model.forward(token.view(1), position, cache)[-1]
-        return Draft(torch.stack(tokens), torch.stack(probs) if probs else None)
+        segments = [Segment(context[drafter.cache.length:], torch.arange(drafter.cache.length, context.shape[0]),
+                            drafter.cache, None, 1) for drafter, context in zip(drafters, contexts)]
+        logits = [output[-1] for output in forward_segments(model, segments)]
+        tokens: list[list[torch.Tensor]] = [[] for _ in drafters]
+        probs: list[list[torch.Tensor]] = [[] for _ in drafters]
+        for index in range(max(budgets, default=0)):
+            fed = []  # requests whose token `index` is fed (the last draft token is fed only if accepted)
+            for i, drafter in enumerate(drafters):
+                if index < budgets[i]:
+                    token, token_probs = drafter._pick(logits[i], contexts[i].shape[0] + index)
+                    tokens[i].append(token)
+                    if token_probs is not None:
+                        probs[i].append(token_probs)
+                    if index + 1 < budgets[i]:
+                        fed.append(i)
+            if fed:
+                segments = [Segment(tokens[i][-1].view(1), torch.tensor([contexts[i].shape[0] + index]), drafters[i].cache)
+                            for i in fed]
+                for i, output in zip(fed, forward_segments(model, segments)):
+                    logits[i] = output[-1]
+        return [Draft(torch.stack(chain) if chain else torch.empty(0, dtype=torch.long),
+                      torch.stack(rows) if rows else None) for chain, rows in zip(tokens, probs)]
+
+    def _pick(self, logits: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The draft token for output position `position` from the draft's logits [vocab], and
+        the distribution it was drawn from (None when greedy)."""
+        if self.params.is_greedy:
+            return logits.argmax(), None
+        token_probs = logits_to_probs(logits, self.params)  # [vocab]
+        if self.params.is_coupled:  # the target's noise for this position: agree where q ~ p
+            noise = gumbel_noise(self.params.seed, position, token_probs.shape[-1])
+            return (token_probs.log() + noise).argmax(), token_probs
+        return sample(token_probs, self.generator), token_probs
 
     def rollback(self, num_valid: int) -> None:
         self.cache.truncate(num_valid)

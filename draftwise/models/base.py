@@ -36,6 +36,13 @@ def forward_each(model: "CausalLM", segments: list[Segment], hidden_layers: tupl
             for s in segments]
 
 
+def forward_segments(model: "CausalLM", segments: list[Segment], hidden_layers: tuple[int, ...] = ()) -> list:
+    """model.forward_batch(segments), or one forward per segment for a model without it (a
+    CausalLM of the user's may lack it)."""
+    batched = getattr(model, "forward_batch", None)
+    return batched(segments, hidden_layers) if batched is not None else forward_each(model, segments, hidden_layers)
+
+
 class CausalLM(Protocol):
     info: ModelInfo
 
