@@ -4,7 +4,9 @@ controller, batched with a FIXED draft length) and llama.cpp's OpenAI server
 (llama-cpp-python's `llama_cpp.server`) on the same GGUF file, all in one run.
 
     python benchmarks/serve_load.py --model smollm2-135m
-    python benchmarks/serve_load.py --model qwen2.5-coder-1.5b --requests-per-client 1
+    python benchmarks/serve_load.py --model qwen2.5-coder-1.5b --requests-per-client 1 --max-tokens 64
+    python benchmarks/serve_load.py --model qwen2.5-coder-1.5b --requests-per-client 1 --max-tokens 64 \
+        --configs "plain batched,batched + controller" --draftwise-flags "--activations int8"
 
 Each server runs in its own process (2 CPU threads, as the machine has), started and stopped
 here; every client sends the bench suite's prompts (benchmarks/prompts, rendered by the model's
@@ -152,6 +154,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated, of: " + ", ".join(CONFIGS))
     parser.add_argument("--out", type=Path, help="also write the results as JSON here")
+    parser.add_argument("--draftwise-flags", default="",
+                        help='more `draftwise serve` flags for every draftwise server, e.g. "--activations int8"')
     args = parser.parse_args()
 
     import draftwise
@@ -176,7 +180,8 @@ def main() -> int:
                 if process is None or fresh_per_level:
                     if process is not None:
                         stop_server(process)
-                    process, url = start_server(name, CONFIGS[name], args.model, args.max_batch, args.threads)
+                    flags = None if CONFIGS[name] is None else CONFIGS[name] + args.draftwise_flags.split()
+                    process, url = start_server(name, flags, args.model, args.max_batch, args.threads)
                     asyncio.run(run_level(url, args.model, prompts[-1:], 1, 1, 8, tokenizer))  # warm-up
                 row = {"config": name, **asyncio.run(run_level(url, args.model, prompts, clients, args.requests_per_client,
                                                                args.max_tokens, tokenizer))}

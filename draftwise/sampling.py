@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from draftwise.config import SamplingParams
+from draftwise.errors import ConfigError
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -63,6 +64,9 @@ def _mix(seed: int, position: int) -> int:
 
 def gumbel_noise(seed: int, position: int, vocab_size: int) -> torch.Tensor:
     """Gumbel noise [vocab] for output position `position`: a function of (seed, position)."""
+    if seed is None:
+        raise ConfigError("coupled sampling needs a seed: set SamplingParams.seed, or decode through an Engine "
+                          "(it draws one per request when none is given), or use sampling_mode='rejection'.")
     generator = torch.Generator().manual_seed(_mix(seed, position))
     uniform = torch.rand(vocab_size, generator=generator).clamp_(min=1e-30)  # never log(0)
     return -torch.log(-torch.log(uniform))

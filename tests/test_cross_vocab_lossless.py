@@ -113,7 +113,7 @@ def test_negative_control_unrenormalised_draft_probabilities_are_rejected():
 def test_real_pair_at_one_position_emits_the_targets_distribution(qwen_0_5b, smollm2):
     """Qwen2.5-Coder-0.5B target, SmolLM2-135M draft, a real chat prompt: the draft's and the
     target's real next-token distributions, sampled and verified through the drafter's path."""
-    params = SamplingParams(temperature=1.0, top_k=8)
+    params = SamplingParams(temperature=1.0, top_k=8, sampling_mode="rejection")  # the draft samples from its own q
     drafter = CrossVocabDrafter(smollm2.model, smollm2.tokenizer, qwen_0_5b.tokenizer,
                                 qwen_0_5b.model.info.vocab_size, method="intersection")
     drafter.begin(params, make_generator(0), max_length=256)
