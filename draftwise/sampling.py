@@ -72,6 +72,13 @@ def gumbel_noise(seed: int, position: int, vocab_size: int) -> torch.Tensor:
     return -torch.log(-torch.log(uniform))
 
 
+def coupled_token(probs: torch.Tensor, seed: int, position: int) -> torch.Tensor:
+    """The coupled choice from probs [vocab] for output position `position`: argmax(log probs +
+    g) with that position's noise. The target samples its token this way (coupled_scores) and a
+    drafter drafts with it, so the two agree wherever their distributions are close."""
+    return (probs.log() + gumbel_noise(seed, position, probs.shape[-1])).argmax()
+
+
 def coupled_scores(logits: torch.Tensor, params: SamplingParams, positions: list[int]) -> torch.Tensor:
     """Rows [n, vocab] whose argmax is the coupled sample of each row's position: log p + g.
     Filtered-out tokens score -inf, so they are never chosen."""

@@ -29,7 +29,7 @@ from draftwise.config import SamplingParams
 from draftwise.drafters.base import fork_drafter
 from draftwise.engine import Engine, GenerationResult, result_of
 from draftwise.errors import DraftwiseError
-from draftwise.models.base import Segment
+from draftwise.models.base import Segment, forward_segments
 from draftwise.sequence import Sequence
 from draftwise.step import StepReport, run_step
 
@@ -204,7 +204,7 @@ def measure_batch_costs(model, sizes: tuple[int, ...] = BATCH_SIZES, repeats: in
             segments = [Segment(torch.tensor([index % 100 + 10]), torch.zeros(1, dtype=torch.long), cache)
                         for index, cache in enumerate(caches)]
             tic = time.perf_counter()
-            model.forward_batch(segments)
+            forward_segments(model, segments)
             best = min(best, time.perf_counter() - tic)
             for cache in caches:
                 cache.truncate(0)

@@ -13,7 +13,7 @@ Algorithms for Heterogeneous Vocabularies" (ICML 2025):
   token maps to its target twin, and its probabilities map to the target's ids, so standard
   rejection sampling keeps the target's distribution exactly, with real draft probabilities.
   In coupled sampling the draft picks, among target ids, argmax(log q + g_t) with the target's
-  own Gumbel noise g_t for that position (draftwise.sampling.gumbel_noise), so it agrees with
+  own Gumbel noise g_t for that position (draftwise.sampling.coupled_token), so it agrees with
   the target's token wherever q is close to p.
 
 Either way the draft model keeps its own token sequence for the committed text: each step
@@ -33,7 +33,7 @@ from draftwise.drafters.text_bridge import continuation_tokens, split_committed
 from draftwise.drafters.vocab import PROBE_TEXT, vocabulary_pair
 from draftwise.errors import ConfigError, IncompatibleDrafterError
 from draftwise.models.base import CausalLM
-from draftwise.sampling import gumbel_noise, logits_to_probs, sample
+from draftwise.sampling import coupled_token, logits_to_probs, sample
 
 # "auto": greedy requests use string (measured with a Qwen2.5-Coder-0.5B target on 10 prompts:
 # 45% of draft tokens accepted vs 33% for intersection with SmolLM2, 39% vs 31% with Gemma:
@@ -160,8 +160,8 @@ class CrossVocabDrafter:
                 draft_probs = self.intersection.restrict(logits, self.params)  # [draft_vocab]
                 target_probs = self.intersection.to_target(draft_probs)
                 if self.params.is_coupled:  # the target's noise for this position: agree where q ~ p
-                    noise = gumbel_noise(self.params.seed, num_committed + index, target_probs.shape[-1])
-                    token = self.intersection.draft_twin(int((target_probs.log() + noise).argmax()), draft_probs)
+                    target_id = int(coupled_token(target_probs, self.params.seed, num_committed + index))
+                    token = self.intersection.draft_twin(target_id, draft_probs)
                 else:
                     token = int(sample(draft_probs, self.generator))
                 probs.append(target_probs)

@@ -11,7 +11,7 @@ from draftwise.drafters.base import Draft
 from draftwise.errors import IncompatibleDrafterError
 from draftwise.kv_cache import KVCache
 from draftwise.models.base import CausalLM, Segment, forward_segments
-from draftwise.sampling import gumbel_noise, logits_to_probs, sample
+from draftwise.sampling import coupled_token, logits_to_probs, sample
 
 
 class ModelDrafter:
@@ -80,8 +80,7 @@ class ModelDrafter:
             return logits.argmax(), None
         token_probs = logits_to_probs(logits, self.params)  # [vocab]
         if self.params.is_coupled:  # the target's noise for this position: agree where q ~ p
-            noise = gumbel_noise(self.params.seed, position, token_probs.shape[-1])
-            return (token_probs.log() + noise).argmax(), token_probs
+            return coupled_token(token_probs, self.params.seed, position), token_probs
         return sample(token_probs, self.generator), token_probs
 
     def rollback(self, num_valid: int) -> None:
