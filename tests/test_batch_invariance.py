@@ -100,7 +100,7 @@ def default_plain_outputs(default_target) -> list[list[int]]:
     return [Engine(default_target).generate(prompt, GREEDY).token_ids for prompt in PROMPTS]
 
 
-# (The float32 tests in test_greedy_equality.py cover k in {1, 3, 5, 8}; the default format
+# (The float32 tests in test_greedy_equality.py cover k in {1, 3, 8} (ngram) and 3 (model); the default format
 # computes the float32 path's logits bit for bit on SmolLM2, the last test here.)
 @pytest.mark.parametrize("drafter", ["ngram", "model"])
 @pytest.mark.parametrize("num_draft_tokens", [1, 8])
@@ -127,7 +127,7 @@ def test_the_default_format_computes_the_float32_paths_logits(default_target, sm
 @pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b"])  # 32-weight blocks; Q4_K, Q6_K, Q5_0
 def test_greedy_speculation_equals_plain_decoding_with_int8_activations(name):
     target = loading.load(name, auto_fetch=True, progress=False, activations="int8")
-    prompts = PROMPTS if name == "smollm2-135m" else PROMPTS[:4]
+    prompts = PROMPTS if name == "smollm2-135m" else PROMPTS[:2]  # the 0.5B: CI budget
     plain = [Engine(target).generate(prompt, GREEDY).token_ids for prompt in prompts]
     engine = Engine(target, NgramDrafter(), 8)
     results = [engine.generate(prompt, GREEDY) for prompt in prompts]

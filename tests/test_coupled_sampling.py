@@ -85,8 +85,8 @@ CROSS_VOCAB_CONFIGS = [("string", 1, "fixed"), ("string", 3, "adaptive"), ("stri
 
 
 def test_same_seed_same_tokens_with_a_cross_vocabulary_draft(qwen_0_5b, smollm2):
-    """SmolLM2 drafting for Qwen2.5-Coder-0.5B: each of the six configurations decodes two of
-    the twelve prompts, so every prompt is decoded once with a draft of another tokenizer."""
+    """SmolLM2 drafting for Qwen2.5-Coder-0.5B: each of the six configurations decodes one of
+    the twelve prompts (every other one: CI's time budget; the 0.5B decodes each twice)."""
     from draftwise.drafters.cross_vocab import CrossVocabDrafter
 
     plain = Engine(qwen_0_5b)
@@ -95,7 +95,7 @@ def test_same_seed_same_tokens_with_a_cross_vocabulary_draft(qwen_0_5b, smollm2)
         drafter = CrossVocabDrafter(smollm2.model, smollm2.tokenizer, qwen_0_5b.tokenizer,
                                     qwen_0_5b.model.info.vocab_size, method)
         engine = Engine(qwen_0_5b, drafter, k, DraftLengthPolicy() if length == "adaptive" else None)
-        for i in (2 * index, 2 * index + 1):
+        for i in (2 * index,):
             params = _params(i)
             result = engine.generate(PROMPTS[i], params)
             assert result.token_ids == plain.generate(PROMPTS[i], params).token_ids, f"{method} k={k} {length} prompt {i}"

@@ -15,9 +15,11 @@ from draftwise.errors import ConfigError, IncompatibleDrafterError
 from tests.conftest import PROMPTS
 
 PARAMS = SamplingParams(max_new_tokens=24)
-# Chat, code edits, code, a summary, translations, a list, a shopping list; and an answer in
-# Chinese, whose characters Qwen's byte-level tokens often split (漢 is 3 tokens of one byte).
-CROSS_PROMPTS = PROMPTS[:9] + [[{"role": "user", "content": "Translate to Chinese: Good morning, how are you?"}]]
+# Chat, a code edit, code, a summary, a translation; and an answer in Chinese, whose characters
+# Qwen's byte-level tokens often split (漢 is 3 tokens of one byte). Six of the core prompts, not
+# all twelve: CI's 20-minute budget (the 0.5B target decodes every one per drafter).
+CROSS_PROMPTS = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[4], PROMPTS[5],
+                 [{"role": "user", "content": "Translate to Chinese: Good morning, how are you?"}]]
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +70,8 @@ def test_smollm2_draft_for_qwen_target_equals_plain_greedy(qwen_0_5b, smollm2, q
 def test_gemma_draft_for_qwen_target_equals_plain_greedy(qwen_0_5b, gemma, qwen_plain_outputs):
     drafter = CrossVocabDrafter(gemma.model, gemma.tokenizer, qwen_0_5b.tokenizer,
                                 qwen_0_5b.model.info.vocab_size, "string")
-    # Half the prompts (CI's time budget; the SmolLM2 drafts above take all ten).
-    results = run_all(Engine(qwen_0_5b, drafter, num_draft_tokens=4), CROSS_PROMPTS[:5])
+    # Half the prompts (CI's time budget: gemma runs through transformers; SmolLM2 above takes all six).
+    results = run_all(Engine(qwen_0_5b, drafter, num_draft_tokens=4), CROSS_PROMPTS[:3])
     assert_equal_and_speculated(results, qwen_plain_outputs, min_acceptance=0.2)  # measured: 114/289 = 0.39 on ten
 
 

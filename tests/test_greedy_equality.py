@@ -39,7 +39,7 @@ def test_plain_greedy_matches_transformers_generate(smollm2, hf_smollm2, plain_o
         assert ours == reference, f"prompt {prompt!r}"
 
 
-@pytest.mark.parametrize("num_draft_tokens", [1, 3, 5, 8])
+@pytest.mark.parametrize("num_draft_tokens", [1, 3, 8])  # k=5 adds little between 3 and 8 (CI budget)
 def test_ngram_drafter_output_equals_plain_greedy(smollm2, plain_outputs, num_draft_tokens):
     engine = Engine(smollm2, NgramDrafter(), num_draft_tokens)
     results = [engine.generate(prompt, PARAMS) for prompt in PROMPTS]
@@ -48,7 +48,9 @@ def test_ngram_drafter_output_equals_plain_greedy(smollm2, plain_outputs, num_dr
     assert sum(r.metrics.num_accepted_tokens for r in results) > 0  # speculation really happened
 
 
-@pytest.mark.parametrize("num_draft_tokens", [1, 3, 8])  # k=5 costs 30 s of CI and adds little between 3 and 8
+# k=3 only here: k=1 and k=8 with this drafter run in the default format (test_batch_invariance.py),
+# whose logits are this float32 path's bit for bit (its last test); each k costs 20-50 s of CI.
+@pytest.mark.parametrize("num_draft_tokens", [3])
 def test_model_drafter_output_equals_plain_greedy(smollm2, plain_outputs, truncated_drafter, num_draft_tokens):
     engine = Engine(smollm2, truncated_drafter, num_draft_tokens)
     results = [engine.generate(prompt, PARAMS) for prompt in PROMPTS]

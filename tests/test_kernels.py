@@ -24,14 +24,19 @@ def kernels():
 
 
 @functools.cache
+def _reader(name: str) -> GGUFReader:  # parsed once per file: ~4 s each for the 0.5B
+    from draftwise.models import loading
+
+    loading.resolve(name, auto_fetch=True, progress=False)
+    return GGUFReader(loading.gguf_source(name))
+
+
+@functools.cache
 def real_blocks(format: WeightFormat, num_rows: int = 48):
     """Rows of a real tensor in format from the packaged GGUF files (SmolLM2: Q4_1, Q8_0;
     Qwen2.5-Coder-0.5B: Q5_0, Q4_K, Q6_K, Q8_0)."""
-    from draftwise.models import loading
-
     for name in ("smollm2-135m", "qwen2.5-coder-0.5b"):
-        loading.resolve(name, auto_fetch=True, progress=False)
-        for tensor in GGUFReader(loading.gguf_source(name)).tensors:
+        for tensor in _reader(name).tensors:
             if tensor.tensor_type == format and len(tensor.shape) == 2:
                 return torch.from_numpy(np.array(tensor.data[:num_rows])), int(tensor.shape[0])
     raise AssertionError(f"no {format.name} tensor in the packaged models")

@@ -44,10 +44,10 @@ inline float half_to_float(const uint8_t* p) {
 }
 
 // weight: N rows of K weights in format, as a contiguous uint8 tensor [N, bytes per row].
-inline void check_weight(const torch::Tensor& weight, int64_t format, int64_t K) {
+inline void check_weight(const at::Tensor& weight, int64_t format, int64_t K) {
   const Layout l = layout(format);
   TORCH_CHECK(K % l.weights == 0, "draftwise kernels: ", K, " columns are not whole blocks of ", l.weights);
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kUInt8 && weight.is_contiguous(),
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.is_contiguous(),
               "draftwise kernels: weights must be a contiguous uint8 tensor [rows, bytes per row]");
   TORCH_CHECK(weight.size(1) == K / l.weights * l.bytes, "draftwise kernels: ", weight.size(1),
               " bytes per row do not hold ", K, " weights of format ", format);

@@ -507,16 +507,16 @@ void fused_product(const Activations& a, int64_t format, const uint8_t* w, int64
 
 }  // namespace
 
-torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& weight, int64_t format, int64_t K) {
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, int64_t format, int64_t K) {
   TORCH_CHECK(format == Q4_0 || format == Q4_1 || format == Q5_0 || format == Q5_1 || format == Q8_0 ||
                   is_kquant(format),
               "int8_linear: weight format ", format, " has no int8 path (float formats run blocked_linear)");
   check_weight(weight, format, K);
   const int64_t block = layout(format).weights;
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == torch::kFloat && x.is_contiguous(),
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "int8_linear: x must be contiguous float32 [M, ", K, "]");
   const int64_t M = x.size(0), N = weight.size(0), Kp = is_kquant(format) ? K : padded(K), row_bytes = weight.size(1);
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   const Activations a = round_rows(x.data_ptr<float>(), M, K, Kp, block);
 

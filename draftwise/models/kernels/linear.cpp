@@ -317,24 +317,24 @@ void prefill(const float* x, const uint8_t* w, int64_t format, float* y, int64_t
 
 }  // namespace
 
-torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& weight, int64_t format, int64_t K) {
+at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& weight, int64_t format, int64_t K) {
   check_weight(weight, format, K);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "blocked_linear: x ", x.sizes(), " does not have ", K, " columns");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous(), "blocked_linear: x must be contiguous float32");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "blocked_linear: x must be contiguous float32");
   const int64_t M = x.size(0), N = weight.size(0);
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   const auto run = M <= SKINNY_MAX_ROWS ? skinny : prefill;
   run(x.data_ptr<float>(), weight.data_ptr<uint8_t>(), format, y.data_ptr<float>(), M, K, N, weight.size(1));
   return y;
 }
 
-torch::Tensor dequantize_rows(const torch::Tensor& weight, int64_t format, int64_t K, const torch::Tensor& ids) {
+at::Tensor dequantize_rows(const at::Tensor& weight, int64_t format, int64_t K, const at::Tensor& ids) {
   check_weight(weight, format, K);
-  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kLong, "dequantize_rows: ids must be int64 [T]");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "dequantize_rows: ids must be int64 [T]");
   auto ids_c = ids.contiguous();
   const int64_t T = ids_c.size(0), N = weight.size(0), row_bytes = weight.size(1);
-  auto out = torch::empty({T, K}, torch::kFloat);
+  auto out = at::empty({T, K}, at::kFloat);
   const int64_t* id = ids_c.data_ptr<int64_t>();
   const uint8_t* w = weight.data_ptr<uint8_t>();
   for (int64_t t = 0; t < T; ++t) {

@@ -1,4 +1,6 @@
 // The Python bindings of draftwise's kernels (built by draftwise/models/kernels.py).
+#include <torch/csrc/utils/pybind.h>  // pybind11 with at::Tensor casters: a third of torch/extension.h
+
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

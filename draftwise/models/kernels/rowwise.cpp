@@ -93,12 +93,12 @@ std::vector<float>& scratch() {
 
 }  // namespace
 
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "rms_norm: x must be [T, H] float32");
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.scalar_type() == torch::kFloat &&
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "rms_norm: x must be [T, H] float32");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.scalar_type() == at::kFloat &&
               weight.is_contiguous(), "rms_norm: weight must be [H] float32");
   const int64_t T = x.size(0), H = x.size(1);
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -112,10 +112,10 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   return out;
 }
 
-torch::Tensor silu_mul(const torch::Tensor& gate, const torch::Tensor& up) {
-  TORCH_CHECK(gate.sizes() == up.sizes() && gate.scalar_type() == torch::kFloat && up.scalar_type() == torch::kFloat &&
+at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
+  TORCH_CHECK(gate.sizes() == up.sizes() && gate.scalar_type() == at::kFloat && up.scalar_type() == at::kFloat &&
               gate.is_contiguous() && up.is_contiguous(), "silu_mul: gate and up must be contiguous float32 of one shape");
-  auto out = torch::empty_like(gate);
+  auto out = at::empty_like(gate);
   const int64_t n = gate.numel();
   const float* g = gate.data_ptr<float>();
   const float* u = up.data_ptr<float>();
@@ -147,12 +147,12 @@ torch::Tensor silu_mul(const torch::Tensor& gate, const torch::Tensor& up) {
 // is skipped, not added as zero weight, so a token of a tree or a draft gets the arithmetic it
 // gets when decoded alone. Four adjacent keys share one reduction tree (dot4, bit-identical to
 // four dot() calls) and a query's weighted sum of values stays in registers.
-torch::Tensor attention(const torch::Tensor& queries, const torch::Tensor& keys, const torch::Tensor& values,
-                        int64_t start, const torch::Tensor& mask, double scale) {
-  TORCH_CHECK(queries.dim() == 3 && queries.scalar_type() == torch::kFloat && queries.is_contiguous(),
+at::Tensor attention(const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values,
+                        int64_t start, const at::Tensor& mask, double scale) {
+  TORCH_CHECK(queries.dim() == 3 && queries.scalar_type() == at::kFloat && queries.is_contiguous(),
               "attention: queries must be contiguous float32 [T, H, D]");
-  TORCH_CHECK(keys.dim() == 3 && values.sizes() == keys.sizes() && keys.scalar_type() == torch::kFloat &&
-              values.scalar_type() == torch::kFloat && keys.stride(2) == 1 && values.stride(2) == 1 &&
+  TORCH_CHECK(keys.dim() == 3 && values.sizes() == keys.sizes() && keys.scalar_type() == at::kFloat &&
+              values.scalar_type() == at::kFloat && keys.stride(2) == 1 && values.stride(2) == 1 &&
               keys.stride(1) == keys.size(2) && values.stride(1) == values.size(2),
               "attention: keys and values must be float32 [H_kv, capacity, D] with contiguous rows");
   const int64_t T = queries.size(0), H = queries.size(1), D = queries.size(2), H_kv = keys.size(0);
@@ -161,9 +161,9 @@ torch::Tensor attention(const torch::Tensor& queries, const torch::Tensor& keys,
   TORCH_CHECK(start >= 0 && start + T <= keys.size(1), "attention: slots ", start, "+", T, " exceed the cache");
   const bool causal = mask.numel() == 0;
   TORCH_CHECK(causal || (mask.dim() == 2 && mask.size(0) == T && mask.size(1) == T &&
-                         mask.scalar_type() == torch::kBool && mask.is_contiguous()),
+                         mask.scalar_type() == at::kBool && mask.is_contiguous()),
               "attention: mask must be a contiguous bool [T, T] or empty");
-  auto out = torch::empty_like(queries);
+  auto out = at::empty_like(queries);
   const float* q = queries.data_ptr<float>();
   const float* kp = keys.data_ptr<float>();
   const float* vp = values.data_ptr<float>();

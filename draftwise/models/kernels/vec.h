@@ -6,7 +6,11 @@
 // rows are computed beside it or on how threads split the work.
 #pragma once
 
-#include <torch/extension.h>
+// ATen alone, not torch/extension.h: that header costs ~40 s of compile per file; only
+// module.cpp (the bindings) needs pybind.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 
 #include <cstdint>
 #include <cstring>
