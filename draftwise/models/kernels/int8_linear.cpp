@@ -24,11 +24,12 @@
 // scale d and small integer scales per 32 (Q4_K) or 16 (Q6_K) columns, so with activations
 // rounded per 256 columns (one scale dx) a super-block's whole dot product is one exact integer
 // I = sum of sub-scale * (u . q), computed 64 columns at a time by a byte multiply into int16
-// pairs and an int16 multiply-add by the sub-scales into int32 lanes. Then
-//   dot(w, round8(x)) = sum over super-blocks of float(I) * (d * dx)
-//                       + sum over 16-column groups of w.coef * x.sum   (Q4_K's mins, Q6_K's -32).
-// One float multiply-add per 256 columns instead of one per 64; what is left per row of x is
-// two integer multiplies per 64 weights.
+// pairs and an int16 multiply-add by the sub-scales into int32 lanes. Then, per super-block b,
+// in a 16-lane float accumulator,
+//   acc += float(I_b) * (d_b * dx_b);  acc += w.coef_b * x.sum_b   (16 columns a lane: Q4_K's
+//                                                                    mins, Q6_K's -32)
+// and dot(w, round8(x)) = the horizontal sum of acc. Two float multiply-adds per 256 columns;
+// what is left per row of x is two integer multiplies per 64 weights.
 //
 // Batch invariance: y[m, n] is that arithmetic in that order (16-lane float accumulator in
 // column order, one fixed horizontal sum, then the coefficient sum), whatever the number of
@@ -324,6 +325,15 @@ inline vi16 scaled_dot(vi16 acc, const uint8_t* u, const int8_t* q, const int16_
   return acc;
 }
 
+// One super-block's contribution to a row's 16-lane accumulator, in the one order every K-quant
+// kernel uses (decode, verify, prefill): the exact integer lanes times d * dx, then the
+// coefficients (w.coef, per 16 columns) times the activation sums (x.sum, per 16 columns).
+inline v16 super_block_step(v16 acc, vi16 total, float scale, v16 coef, v16 sum) {
+  acc += __builtin_convertvector(total, v16) * scale;
+  acc += coef * sum;
+  return acc;
+}
+
 struct KquantRows {  // unpacked weight rows
   const uint8_t* u;
   const int16_t* sub;
@@ -352,106 +362,108 @@ inline void kquant_micro(RoundedRows x, KquantRows w, float* y, int64_t K, int64
 #pragma GCC unroll 16
     for (int i = 0; i < NUM_X; ++i)
 #pragma GCC unroll 16
-      for (int j = 0; j < NUM_W; ++j)
-        acc[i][j] += __builtin_convertvector(total[i][j], v16) * (w.d[j * blocks + b] * x.d[i * blocks + b]);
+      for (int j = 0; j < NUM_W; ++j) {
+        acc[i][j] = super_block_step(acc[i][j], total[i][j], w.d[j * blocks + b] * x.d[i * blocks + b],
+                                     load16(w.coef + j * (K / 16) + b * 16), load16(x.sum + i * (K / 16) + b * 16));
+      }
   }
 #pragma GCC unroll 16
   for (int i = 0; i < NUM_X; ++i)
 #pragma GCC unroll 16
-    for (int j = 0; j < NUM_W; ++j)
-      y[i * N + j] = horizontal_sum(acc[i][j]) + coefficient_sum(w.coef + j * (K / 16), x.sum + i * (K / 16), K / 16);
+    for (int j = 0; j < NUM_W; ++j) y[i * N + j] = horizontal_sum(acc[i][j]);
 }
 
 #if defined(__AVX512BW__)
-// The same product for a few rows of x (a decode or verify step), with the weights unpacked in
-// registers as they are read: no scratch round trip, and each chunk of weight bytes meets every
-// row of x while it is in a register. Integer for integer and float for float the arithmetic
-// of kquant_micro, so the two agree bit for bit (and the tests check it).
-template <int NUM_X, int NUM_W>
-inline void kquant_fused(RoundedRows x, int64_t format, const uint8_t* rows, int64_t row_bytes, float* coef,
-                         float* y, int64_t K, int64_t N) {
-  const int64_t blocks = K / SUPER;
+// In-lane byte-shuffle controls that give each 128-bit lane of a chunk's int16 lanes the
+// sub-scale of the columns it holds, from a 16-byte table of int16 scales broadcast to every
+// lane (a cross-lane word permute costs several times an in-lane shuffle here).
+inline __m512i pick_words(int lane0, int lane1, int lane2, int lane3) {
+  const auto word = [](int w) { return _mm_set1_epi16(int16_t(((2 * w + 1) << 8) | (2 * w))); };
+  __m512i out = _mm512_castsi128_si512(word(lane0));
+  out = _mm512_inserti32x4(out, word(lane1), 1);
+  out = _mm512_inserti32x4(out, word(lane2), 2);
+  return _mm512_inserti32x4(out, word(lane3), 3);
+}
+
+// The same product for a few rows of x (a decode or verify step), one weight row at a time,
+// unpacked in registers as it is read: each chunk of weight bytes meets every row of x while it
+// is in a register. x_d holds dx of super-block b for row i at [b * 16 + i]. Integer for integer
+// and float for float the arithmetic of kquant_micro (super_block_step), so the two agree bit
+// for bit (and the tests check it).
+template <int64_t FORMAT, int NUM_X>
+inline void kquant_decode(RoundedRows x, const float* x_d, const uint8_t* row, float* y, int64_t K, int64_t N) {
+  const int64_t blocks = K / SUPER, block_bytes = FORMAT == Q4_K ? 144 : 210;
   const __m512i low_nibble = _mm512_set1_epi8(15), two_bits = _mm512_set1_epi8(3);
   // Per-lane shift counts: the chunk's lower 32 bytes take one nibble / bit pair, the upper the next.
   const __m512i q4_shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
-  v16 acc[NUM_X][NUM_W] = {};
+  // Q4_K chunk c: lanes 0-1 hold sub-block 2c, lanes 2-3 sub-block 2c + 1. Q6_K chunk c: lane l
+  // holds sub-block 4c + l, word 4 (c % 2) + l of the table of half c / 2 of the scales.
+  const __m512i q4_pick[4] = {pick_words(0, 0, 1, 1), pick_words(2, 2, 3, 3), pick_words(4, 4, 5, 5),
+                              pick_words(6, 6, 7, 7)};
+  const __m512i q6_pick[2] = {pick_words(0, 1, 2, 3), pick_words(4, 5, 6, 7)};
+  v16 acc[NUM_X] = {};
   for (int64_t b = 0; b < blocks; ++b) {
-    __m512i sub[NUM_W];  // the super-block's sub-scales as int16, in the low lanes
-    float d[NUM_W];
-#pragma GCC unroll 16
-    for (int j = 0; j < NUM_W; ++j) {
-      const uint8_t* block = rows + j * row_bytes + b * (format == Q4_K ? 144 : 210);
-      float* c = coef + j * (K / 16) + b * 16;
-      if (format == Q4_K) {
-        alignas(16) uint8_t scales[16];
-        q4k_scales(block + 4, scales);
-        d[j] = half_to_float(block);
-        sub[j] = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales))));
-        const __m512 mins = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales + 8))));
-        const __m512i twice = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-        _mm512_storeu_ps(c, _mm512_mul_ps(_mm512_permutexvar_ps(twice, mins), _mm512_set1_ps(-half_to_float(block + 2))));
-      } else {
-        d[j] = half_to_float(block + 208);
-        const __m512i scales = _mm512_cvtepi8_epi16(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192))));
-        sub[j] = scales;
-        const __m512 s = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192))));
-        _mm512_storeu_ps(c, _mm512_mul_ps(s, _mm512_set1_ps(-32.0f * d[j])));
-      }
+    const uint8_t* block = row + b * block_bytes;
+    __m512i table[2];  // int16 sub-scales, 8 to a 128-bit lane, broadcast to every lane
+    float d;
+    v16 coef;
+    if constexpr (FORMAT == Q4_K) {
+      alignas(16) uint8_t scales[16];
+      q4k_scales(block + 4, scales);
+      d = half_to_float(block);
+      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales));
+      table[0] = table[1] = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(packed));
+      const __m128i mins = _mm_unpackhi_epi8(packed, packed);  // each min twice: one per 16 columns
+      const __m512 m = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mins));
+      const __m512 c = _mm512_mul_ps(_mm512_set1_ps(-half_to_float(block + 2)), m);
+      std::memcpy(&coef, &c, sizeof coef);
+    } else {
+      d = half_to_float(block + 208);
+      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192));
+      table[0] = _mm512_broadcast_i32x4(_mm_cvtepi8_epi16(packed));
+      table[1] = _mm512_broadcast_i32x4(_mm_cvtepi8_epi16(_mm_srli_si128(packed, 8)));
+      const __m512 c = _mm512_mul_ps(_mm512_set1_ps(-32.0f * d), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(packed)));
+      std::memcpy(&coef, &c, sizeof coef);
     }
-    vi16 total[NUM_X][NUM_W] = {};
-#pragma GCC unroll 16
+    alignas(64) float scale[16];
+    store16(scale, load16(x_d + b * 16) * d);
+    vi16 total[NUM_X] = {};
+#pragma GCC unroll 4
     for (int chunk = 0; chunk < 4; ++chunk) {
-      __m512i u[NUM_W], scale[NUM_W];
-#pragma GCC unroll 16
-      for (int j = 0; j < NUM_W; ++j) {
-        const uint8_t* block = rows + j * row_bytes + b * (format == Q4_K ? 144 : 210);
-        if (format == Q4_K) {  // 32 bytes: sub-block 2c in the low nibbles, 2c + 1 in the high ones
-          const __m512i bytes = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16 + 32 * chunk)));
-          u[j] = _mm512_and_si512(_mm512_srlv_epi16(bytes, q4_shift), low_nibble);
-          const __m512i index = _mm512_inserti64x4(_mm512_set1_epi16(2 * chunk), _mm256_set1_epi16(2 * chunk + 1), 1);
-          scale[j] = _mm512_permutexvar_epi16(index, sub[j]);
-        } else {  // Q6_K, chunk c: half c / 2, nibble c % 2 of its 64 ql bytes, bit pairs 2 (c % 2) * 2 + {0, 1}
-          const int half = chunk / 2, odd = chunk % 2;
-          const __m512i ql = _mm512_loadu_si512(block + 64 * half);
-          const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 128 + 32 * half)));
-          const __m512i high_shift = _mm512_inserti64x4(_mm512_set1_epi16(4 * odd), _mm256_set1_epi16(4 * odd + 2), 1);
-          const __m512i low = _mm512_and_si512(_mm512_srli_epi16(ql, 4 * odd), low_nibble);
-          const __m512i high = _mm512_and_si512(_mm512_srlv_epi16(qh, high_shift), two_bits);
-          u[j] = _mm512_or_si512(low, _mm512_slli_epi16(high, 4));
-          const __m512i index = _mm512_inserti64x4(
-              _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_inserti128_si256(_mm256_set1_epi16(4 * chunk), _mm_set1_epi16(4 * chunk + 1), 1), 0),
-              _mm256_inserti128_si256(_mm256_set1_epi16(4 * chunk + 2), _mm_set1_epi16(4 * chunk + 3), 1), 1);
-          scale[j] = _mm512_permutexvar_epi16(index, sub[j]);
-        }
+      __m512i u, sub;
+      if constexpr (FORMAT == Q4_K) {  // 32 bytes: sub-block 2c in the low nibbles, 2c + 1 in the high ones
+        const __m512i bytes = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16 + 32 * chunk)));
+        u = _mm512_and_si512(_mm512_srlv_epi16(bytes, q4_shift), low_nibble);
+        sub = _mm512_shuffle_epi8(table[0], q4_pick[chunk]);
+      } else {  // Q6_K, chunk c: half c / 2, nibble c % 2 of its 64 ql bytes, bit pairs 2 (c % 2) * 2 + {0, 1}
+        const int half = chunk / 2, odd = chunk % 2;
+        const __m512i ql = _mm512_loadu_si512(block + 64 * half);
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 128 + 32 * half)));
+        const __m512i high_shift = _mm512_inserti64x4(_mm512_set1_epi16(4 * odd), _mm256_set1_epi16(4 * odd + 2), 1);
+        const __m512i low = _mm512_and_si512(_mm512_srli_epi16(ql, 4 * odd), low_nibble);
+        const __m512i high = _mm512_and_si512(_mm512_srlv_epi16(qh, high_shift), two_bits);
+        u = _mm512_or_si512(low, _mm512_slli_epi16(high, 4));
+        sub = _mm512_shuffle_epi8(table[half], q6_pick[odd]);
       }
 #pragma GCC unroll 16
       for (int i = 0; i < NUM_X; ++i) {
-        const __m512i q = _mm512_loadu_si512(x.q + i * K + b * SUPER + chunk * CHUNK);
-#pragma GCC unroll 16
-        for (int j = 0; j < NUM_W; ++j) {
-          __m512i t;
-          std::memcpy(&t, &total[i][j], sizeof t);
-          const __m512i pairs = _mm512_maddubs_epi16(u[j], q);
+        __m512i t;
+        std::memcpy(&t, &total[i], sizeof t);
+        const __m512i pairs = _mm512_maddubs_epi16(u, _mm512_loadu_si512(x.q + i * K + b * SUPER + chunk * CHUNK));
 #if defined(__AVX512VNNI__)
-          t = _mm512_dpwssd_epi32(t, pairs, scale[j]);
+        t = _mm512_dpwssd_epi32(t, pairs, sub);
 #else
-          t = _mm512_add_epi32(t, _mm512_madd_epi16(pairs, scale[j]));
+        t = _mm512_add_epi32(t, _mm512_madd_epi16(pairs, sub));
 #endif
-          std::memcpy(&total[i][j], &t, sizeof t);
-        }
+        std::memcpy(&total[i], &t, sizeof t);
       }
     }
 #pragma GCC unroll 16
     for (int i = 0; i < NUM_X; ++i)
-#pragma GCC unroll 16
-      for (int j = 0; j < NUM_W; ++j)
-        acc[i][j] += __builtin_convertvector(total[i][j], v16) * (d[j] * x.d[i * blocks + b]);
+      acc[i] = super_block_step(acc[i], total[i], scale[i], coef, load16(x.sum + i * (K / 16) + b * 16));
   }
 #pragma GCC unroll 16
-  for (int i = 0; i < NUM_X; ++i)
-#pragma GCC unroll 16
-    for (int j = 0; j < NUM_W; ++j)
-      y[i * N + j] = horizontal_sum(acc[i][j]) + coefficient_sum(coef + j * (K / 16), x.sum + i * (K / 16), K / 16);
+  for (int i = 0; i < NUM_X; ++i) y[i * N] = horizontal_sum(acc[i]);
 }
 constexpr bool FUSED = true;
 #else
@@ -481,25 +493,35 @@ constexpr int64_t FUSED_MAX_ROWS = 16;
 constexpr int FUSED_ROWS_OF_X = 9;  // 9 x 2 accumulators in registers
 
 template <int NUM_X = FUSED_ROWS_OF_X>
-void fused_rows(int64_t rows, RoundedRows x, int64_t format, const uint8_t* w, int64_t row_bytes, float* coef,
-                float* y, int64_t K, int64_t N) {
+void fused_rows(int64_t rows, RoundedRows x, const float* x_d, int64_t format, const uint8_t* w, float* y,
+                int64_t K, int64_t N) {
   if constexpr (NUM_X > 1) {
-    if (rows < NUM_X) return fused_rows<NUM_X - 1>(rows, x, format, w, row_bytes, coef, y, K, N);
+    if (rows < NUM_X) return fused_rows<NUM_X - 1>(rows, x, x_d, format, w, y, K, N);
   }
 #if defined(__AVX512BW__)
-  kquant_fused<NUM_X, 1>(x, format, w, row_bytes, coef, y, K, N);
+  if (format == Q4_K) {
+    kquant_decode<Q4_K, NUM_X>(x, x_d, w, y, K, N);
+  } else {
+    kquant_decode<Q6_K, NUM_X>(x, x_d, w, y, K, N);
+  }
 #endif
 }
 
 void fused_product(const Activations& a, int64_t format, const uint8_t* w, int64_t row_bytes, float* out, int64_t M,
                    int64_t K, int64_t N) {
+  // dx of every super-block for each group of rows, laid out [group][block][16] so that one
+  // vector multiply gives d * dx for all the group's rows.
+  const int64_t blocks = K / SUPER, groups = (M + FUSED_ROWS_OF_X - 1) / FUSED_ROWS_OF_X;
+  std::vector<float> x_d(groups * blocks * 16, 0.0f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < blocks; ++b)
+      x_d[(m / FUSED_ROWS_OF_X * blocks + b) * 16 + m % FUSED_ROWS_OF_X] = a.scale[m * blocks + b];
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    float* coef = thread_scratch<float>(K / 16);
     for (int64_t n = n0; n < n1; ++n) {
-      for (int64_t m = 0; m < M; m += FUSED_ROWS_OF_X) {
-        const RoundedRows xm{a.q.data() + m * K, a.scale.data() + m * (K / SUPER), a.sum.data() + m * K / 16};
-        fused_rows(std::min<int64_t>(FUSED_ROWS_OF_X, M - m), xm, format, w + n * row_bytes, row_bytes, coef,
-                   out + m * N + n, K, N);
+      for (int64_t m = 0, g = 0; m < M; m += FUSED_ROWS_OF_X, ++g) {
+        const RoundedRows xm{a.q.data() + m * K, a.scale.data() + m * blocks, a.sum.data() + m * K / 16};
+        fused_rows(std::min<int64_t>(FUSED_ROWS_OF_X, M - m), xm, x_d.data() + g * blocks * 16, format,
+                   w + n * row_bytes, out + m * N + n, K, N);
       }
     }
   });
