@@ -154,6 +154,22 @@ def test_int8_activations_need_block_weights(kernels):
         kernels.int8_linear(torch.randn(2, 64), float_layer.weight.data, int(WeightFormat.F32), 64)
 
 
+@pytest.mark.parametrize("tokens, heads, head_dim", [(1, 12, 128), (9, 2, 128), (40, 9, 64)])
+def test_rotary_is_pytorchs_formula_bit_for_bit(kernels, tokens, heads, head_dim):
+    # The kernel replaces x * cos + rotate_half(x) * sin in the decoder: it must not change a bit
+    # (no fused multiply-add), or every model's logits would move with it.
+    from draftwise.models.ops import rotate_half
+
+    torch.manual_seed(tokens)
+    x = torch.randn(tokens, heads, head_dim) * 4
+    angles = torch.randn(tokens, 1, head_dim) * 50
+    cos, sin = angles.cos(), angles.sin()
+    expected = x * cos + rotate_half(x) * sin
+    got = x.clone()
+    kernels.rotary(got, cos.reshape(tokens, head_dim), sin.reshape(tokens, head_dim))
+    assert torch.equal(got, expected)
+
+
 def test_attention_matches_sdpa_and_is_row_invariant(kernels):
     torch.manual_seed(0)
     heads, kv_heads, head_dim, start, num_new = 9, 3, 64, 50, 7

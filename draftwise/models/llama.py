@@ -89,11 +89,6 @@ class RMSNorm(nn.Module):
         return ops.rms_norm(x, self.weight, self.eps)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
-
-
 class Attention(nn.Module):
     def __init__(self, shape: DecoderShape) -> None:
         super().__init__()
@@ -114,8 +109,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(num_tokens, s.num_heads, s.head_dim)
         k = self.k_proj(x).view(num_tokens, s.num_kv_heads, s.head_dim)
         v = self.v_proj(x).view(num_tokens, s.num_kv_heads, s.head_dim)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q = ops.rotary(q, cos, sin)
+        k = ops.rotary(k, cos, sin)
         outputs = []
         for span in spans:
             rows = slice(span.first_row, span.first_row + span.num_rows)

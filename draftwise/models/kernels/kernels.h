@@ -18,6 +18,9 @@ at::Tensor dequantize_rows(const at::Tensor& weight, int64_t format, int64_t K, 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 // silu(gate) * up, elementwise, [T, I].
 at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up);
+// Rotary position embedding of x [T, H, D] in place, cos / sin [T, D]; bit for bit PyTorch's
+// x * cos + rotate_half(x) * sin.
+void rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 // Attention of new queries over a cache; see attention.cpp.
 at::Tensor attention(const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values,
                         int64_t start, const at::Tensor& mask, double scale);

@@ -9,5 +9,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_rows", &draftwise::dequantize_rows, "rows of a blocked weight as float32");
   m.def("rms_norm", &draftwise::rms_norm, "RMSNorm, row by row");
   m.def("silu_mul", &draftwise::silu_mul, "silu(gate) * up");
+  m.def("rotary", &draftwise::rotary, "rotary position embedding of x [T, H, D], in place");
   m.def("attention", &draftwise::attention, "attention of new queries over the KV cache (chain or tree mask)");
 }

@@ -137,6 +137,41 @@ at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
   return out;
 }
 
+// One head's row of the rotary embedding. Its own function, never inlined, so that the
+// attribute holds wherever it is called from (an OpenMP region is outlined into another function,
+// which would not inherit it).
+__attribute__((noinline, optimize("fp-contract=off"))) static void rotate_row(float* row, const float* c,
+                                                                               const float* s, int64_t half) {
+  for (int64_t d = 0; d < half; ++d) {
+    const float low = row[d], high = row[d + half];
+    const float out_low = low * c[d], rotated_low = -high * s[d];
+    const float out_high = high * c[d + half], rotated_high = low * s[d + half];
+    row[d] = out_low + rotated_low;
+    row[d + half] = out_high + rotated_high;
+  }
+}
+
+// Rotary position embedding, in place: x [T, H, D] (each row a head of a token), cos / sin
+// [T, D]. Each element as PyTorch computes x * cos + rotate_half(x) * sin: both products rounded
+// to float32, then their sum (no fused multiply-add: the same bits as the ops it replaces, so a
+// model's logits do not change with it). rotate_half(x)[d] = -x[d + D/2] below D/2, x[d - D/2]
+// above.
+void rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(2) % 2 == 0,
+              "rotary: x must be contiguous float32 [T, H, D] with an even D");
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2);
+  for (const at::Tensor* table : {&cos, &sin})
+    TORCH_CHECK(table->dim() == 2 && table->size(0) == T && table->size(1) == D && table->is_contiguous() &&
+                    table->scalar_type() == at::kFloat,
+                "rotary: cos and sin must be contiguous float32 [T, D]");
+  float* data = x.data_ptr<float>();
+  const float* c = cos.data_ptr<float>();
+  const float* s = sin.data_ptr<float>();
+  at::parallel_for(0, T * H, 256, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) rotate_row(data + r * D, c + (r / H) * D, s + (r / H) * D, D / 2);
+  });
+}
+
 // queries [T, H, D]: T new tokens at cache slots start..start+T-1 (their keys and values are
 // already written); keys / values [H_kv, capacity, D] (rows contiguous); mask [T, T] bool among
 // the new tokens (True = may attend), or an empty tensor for causal order. Every query sees
