@@ -14,6 +14,7 @@ from draftwise.config import SamplingParams
 from draftwise.drafters import ModelDrafter, NgramDrafter
 from draftwise.engine import Engine
 from draftwise.models import loading
+from draftwise.models.base import Segment
 from tests.conftest import PROMPTS
 from tests.test_model_parity import prompt_ids
 
@@ -83,6 +84,46 @@ def test_logits_do_not_depend_on_what_else_the_forward_holds(model, num_prompt, 
     tree = model.forward(tree_tokens, num_prompt + depths, cache, attn_mask=mask)
     assert torch.equal(tree[chain_nodes], alone[num_prompt:])
 
+
+def batched_forward(model, compiled: bool) -> tuple[list, list]:
+    """One forward over three sequences (a prefill, a chain after a prefix, a tree after a prefix)
+    with hidden states, through kernels.Decoder (compiled) or the modules one by one."""
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(model.info.vocab_size, (40,), generator=generator)
+    caches = [model.new_cache(48) for _ in range(3)]
+    model.compiled_layers = compiled
+    try:
+        for cache in caches[1:]:
+            model.forward(tokens[:12], torch.arange(12), cache)
+        tree_tokens, depths, mask, _ = tree_around(tokens[12:17], [3, 1, 4], model.info.vocab_size, seed=1)
+        segments = [Segment(tokens[:20], torch.arange(20), caches[0]),
+                    Segment(tokens[12:18], torch.arange(12, 18), caches[1]),
+                    Segment(tree_tokens, 12 + depths, caches[2], mask)]
+        results = model.forward_batch(segments, hidden_layers=(0, 5, model.shape.num_layers))
+    finally:
+        model.compiled_layers = True
+    return results, caches
+
+
+def test_the_compiled_layers_compute_the_modules_bits(model):
+    # kernels.Decoder runs every layer in one call; the modules, one kernel call at a time, are
+    # its reference: logits, hidden states and the keys / values cached must be the same bits.
+    compiled, compiled_caches = batched_forward(model, compiled=True)
+    modules, module_caches = batched_forward(model, compiled=False)
+    assert model._decoder is not None  # the compiled path really ran
+    for (logits, hidden), (expected_logits, expected_hidden) in zip(compiled, modules):
+        assert torch.equal(logits, expected_logits) and torch.equal(hidden, expected_hidden)
+    for cache, expected in zip(compiled_caches, module_caches):
+        assert cache.length == expected.length
+        assert torch.equal(cache.keys, expected.keys) and torch.equal(cache.values, expected.values)
+
+
+def test_the_compiled_layers_add_the_biases(qwen_0_5b):  # Qwen2's q, k, v projections have biases
+    compiled, _ = batched_forward(qwen_0_5b.model, compiled=True)
+    modules, _ = batched_forward(qwen_0_5b.model, compiled=False)
+    assert qwen_0_5b.model.model.layers[0].self_attn.q_proj.bias is not None
+    for (logits, hidden), (expected_logits, expected_hidden) in zip(compiled, modules):
+        assert torch.equal(logits, expected_logits) and torch.equal(hidden, expected_hidden)
 
 @pytest.fixture(scope="module")
 def default_target():

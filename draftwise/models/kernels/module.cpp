@@ -1,7 +1,9 @@
 // The Python bindings of draftwise's kernels (built by draftwise/models/kernels.py).
 #include <torch/csrc/utils/pybind.h>  // pybind11 with at::Tensor casters: a third of torch/extension.h
 
-#include "kernels.h"
+#include <pybind11/stl.h>
+
+#include "decoder.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("blocked_linear", &draftwise::blocked_linear, "x [M, K] float32 @ W.T, W in a GGUF block format");
@@ -11,4 +13,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &draftwise::silu_mul, "silu(gate) * up");
   m.def("rotary", &draftwise::rotary, "rotary position embedding of x [T, H, D], in place");
   m.def("attention", &draftwise::attention, "attention of new queries over the KV cache (chain or tree mask)");
+  pybind11::class_<draftwise::Decoder>(m, "Decoder", "a decoder's layers run in one call (see decoder.h)")
+      .def(pybind11::init<int64_t, int64_t, int64_t, double>())
+      .def("add_layer", &draftwise::Decoder::add_layer)
+      .def("forward", &draftwise::Decoder::forward)
+      .def_property_readonly("num_layers", &draftwise::Decoder::num_layers);
 }

@@ -1,0 +1,54 @@
+// A Llama-family decoder's layers run in one call (decoder.cpp); models/llama.py builds one per
+// model from its own tensors and module.cpp binds it.
+#pragma once
+
+#include "kernels.h"
+
+#include <vector>
+
+namespace draftwise {
+
+class Decoder {
+ public:
+  Decoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps);
+
+  // One layer: its two norms' weights, then per linear in the order q, k, v, o, gate, up, down:
+  // the weight's bytes, GGML format and column count, whether its input is rounded to int8, and
+  // its bias (an empty tensor: none). The tensors are referenced, not copied.
+  void add_layer(const at::Tensor& input_norm, const at::Tensor& post_attention_norm,
+                 const std::vector<at::Tensor>& weights, const std::vector<int64_t>& formats,
+                 const std::vector<int64_t>& columns, const std::vector<bool>& int8_activations,
+                 const std::vector<at::Tensor>& biases);
+
+  // x [N, hidden]: every sequence's new rows, flattened; cos / sin [N, head_dim]. Sequence s owns
+  // rows first_rows[s] .. + num_rows[s], writes their keys and values to its cache (keys[s],
+  // values[s]: [layers, 1, kv_heads, capacity, head_dim]) at slots starts[s].., and attends over
+  // its cache under masks[s] ([T, T] bool among its new rows; empty: causal). Returns the
+  // residual stream after the last layer, then after each layer listed in saved_layers.
+  std::vector<at::Tensor> forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+                                  const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
+                                  const std::vector<int64_t>& starts, const std::vector<int64_t>& first_rows,
+                                  const std::vector<int64_t>& num_rows, const std::vector<at::Tensor>& masks,
+                                  const std::vector<int64_t>& saved_layers) const;
+
+  int64_t num_layers() const { return int64_t(layers_.size()); }
+
+ private:
+  struct Linear {
+    at::Tensor data;
+    int64_t format, columns;
+    bool int8_activations;
+    at::Tensor bias;  // undefined: none
+    at::Tensor operator()(const at::Tensor& x) const;
+  };
+  struct Layer {
+    at::Tensor input_norm, post_attention_norm;
+    Linear q, k, v, o, gate, up, down;
+  };
+
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+  double eps_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace draftwise
