@@ -207,12 +207,14 @@ at::Tensor attention(const at::Tensor& queries, const at::Tensor& keys, const at
   const int64_t group = H / H_kv, total = start + T;
   constexpr int64_t QUERIES = 8;  // positions per work item
   constexpr int64_t TILE = 32;    // keys per tile: 16 KB of keys or values (D = 128), in L1 for every query
-  const int64_t chunks = (T + QUERIES - 1) / QUERIES;
-  // A work item is one key/value head and up to 8 positions: its group's heads x positions are
-  // the queries, and each tile of keys, then of values, is read once for all of them.
+  // Positions split into chunks of at most 8, as even as can be (9 -> 5 + 4, not 8 + 1: the
+  // threads share the work evenly). A query's arithmetic does not depend on its chunk.
+  const int64_t chunks = (T + QUERIES - 1) / QUERIES, per_chunk = (T + chunks - 1) / chunks;
+  // A work item is one key/value head and one chunk of positions: its group's heads x positions
+  // are the queries, and each tile of keys, then of values, is read once for all of them.
   at::parallel_for(0, H_kv * chunks, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t item = i0; item < i1; ++item) {
-      const int64_t g = item % H_kv, t0 = (item / H_kv) * QUERIES, nt = std::min(QUERIES, T - t0);
+      const int64_t g = item / chunks, t0 = (item % chunks) * per_chunk, nt = std::min(per_chunk, T - t0);
       const float* K = kp + g * keys.stride(0);
       const float* V = vp + g * values.stride(0);
       const int64_t end = causal ? start + t0 + nt : total;  // no query here sees past slot end - 1
