@@ -96,7 +96,9 @@ def write_report(out_dir: Path, config: dict, rows: list[dict], skipped: list[st
     """Write bench.json, bench.md and the plots; return the paths written."""
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = summarize(rows)
-    title = (f"{config['model']} (draft {config['draft_model'] or '-'}), {config['dtype']}, "
+    transformers_dtype = config.get("transformers_dtype")
+    title = (f"{config['model']} (draft {config['draft_model'] or '-'}), {config['dtype']}"
+             f"{f' (transformers {transformers_dtype})' if transformers_dtype else ''}, "
              f"max_new_tokens {config['max_new_tokens']}, median of {config['repeats']}, "
              f"{config['threads']} threads")
     table = markdown_table(summary, title)

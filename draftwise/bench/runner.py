@@ -41,6 +41,9 @@ class BenchConfig:
     max_new_tokens: int = 128
     repeats: int = 3
     with_transformers: bool = True
+    # transformers' dtype: None follows dtype (auto -> float32); "bfloat16" is its fastest on
+    # CPUs with AVX-512 BF16 (the issue's baseline), whatever draftwise's weights are.
+    transformers_dtype: str | None = None
     with_llama_cpp: bool = True  # when llama-cpp-python is installed and the model has a GGUF file
     quantize: tuple[str, ...] = ()  # extra rows: draftwise plain and ngram with these weight formats
     activation_rows: tuple[str, ...] = ()  # extra rows: plain and each drafter (ngram, model, eagle, medusa) on the same weights, these activations
@@ -53,6 +56,8 @@ class BenchConfig:
     def __post_init__(self) -> None:
         if self.repeats < 1 or self.max_new_tokens < 1:
             raise ConfigError(f"repeats={self.repeats}, max_new_tokens={self.max_new_tokens}: both must be at least 1.")
+        if self.transformers_dtype is not None:
+            loading.parse_dtype(self.transformers_dtype)  # a ConfigError naming the choices
         for name in self.quantize:
             check_quantize(name)
         for name in self.activation_rows:
@@ -130,7 +135,7 @@ def _transformers_methods(target: LoadedModel, encode, config: BenchConfig, skip
                           progress: bool) -> list[Method]:
     from transformers import AutoModelForCausalLM
 
-    torch_dtype = loading.parse_dtype(config.dtype)
+    torch_dtype = loading.parse_dtype(config.transformers_dtype or config.dtype)
     hf_target = _in_own_memory(AutoModelForCausalLM.from_pretrained(target.folder, dtype=torch_dtype).eval())
     eos = target.model.info.eos_token_ids
     methods: list[Method] = [
