@@ -114,3 +114,8 @@ def test_unknown_quantization_is_refused_before_loading():
         BenchConfig(quantize=("int3",))
     with pytest.raises(ConfigError, match="activations='int4'"):
         BenchConfig(activation_rows=("int4",))
+
+
+def test_an_unknown_transformers_dtype_is_refused_naming_the_choices():
+    with pytest.raises(ConfigError, match="float16.*bfloat16"):
+        BenchConfig(transformers_dtype="float16")
