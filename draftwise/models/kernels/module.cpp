@@ -16,6 +16,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<draftwise::Decoder>(m, "Decoder", "a decoder's layers run in one call (see decoder.h)")
       .def(pybind11::init<int64_t, int64_t, int64_t, double>())
       .def("add_layer", &draftwise::Decoder::add_layer)
-      .def("forward", &draftwise::Decoder::forward)
+      // The whole forward runs without the GIL (the arguments are converted before it is let
+      // go): the server's HTTP thread keeps answering while a long verify forward computes.
+      .def("forward", &draftwise::Decoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def_property_readonly("num_layers", &draftwise::Decoder::num_layers);
 }
