@@ -14,7 +14,7 @@ float16 scale, plus a float16 minimum for Q4_1): the same kernel, the same invar
 for Q4_K / Q6_K; one float scale each) and multiplies it against the blocks with exact integer
 dot products (kernels/int8_linear.cpp): about 2.4x faster for a decode step on a Q4_K_M file,
 still batch-invariant, and as close to float32 activations as llama.cpp is (README, "int8
-activations": on Qwen2.5-1.5B mean KL 0.08 nats, top-1 0.960; on SmolLM2 KL 0.004, top-1
+activations": on Qwen2.5-1.5B mean KL 0.08 nats, top-1 0.960; on SmolLM2 KL 0.0045, top-1
 0.968; benchmarks/numerics.py measures it). Float-format weights (F32, F16, BF16) keep
 float32 activations.
 
