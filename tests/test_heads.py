@@ -1,7 +1,7 @@
-"""The EAGLE head shipped for SmolLM2-135M: greedy speculation with its trees (and chains) equals
-plain greedy decoding on the 12 core prompts, sampling through its trees stays exact, and it
-really drafts (tokens accepted per forward well above one). No Medusa heads are shipped yet:
-tests/test_train.py trains some and checks them."""
+"""The EAGLE head and the Medusa heads shipped for SmolLM2-135M: greedy speculation with their
+trees (and chains) equals plain greedy decoding on the 12 core prompts, sampling through the
+trees stays exact, and they really draft (tokens committed per forward well above one).
+tests/test_train.py trains both kinds and checks what it wrote."""
 
 from __future__ import annotations
 
@@ -11,19 +11,32 @@ from draftwise.config import SamplingParams, SpecConfig
 from draftwise.draft_length import DraftLengthPolicy
 from draftwise.drafters import build_drafter
 from draftwise.drafters.eagle import EagleDrafter
+from draftwise.drafters.medusa import MedusaDrafter
 from draftwise.engine import Engine
 from draftwise.errors import ConfigError
 from draftwise.heads import head_for
 from draftwise.heads.eagle import load_head
+from draftwise.heads.medusa import load_medusa
 from tests.conftest import PROMPTS
 
 PARAMS = SamplingParams(max_new_tokens=24)
+# Measured with the shipped heads on these prompts (24 tokens each): 1.45 tokens per forward (tree), 1.22 (chain).
+MEDUSA_MIN_TOKENS_PER_FORWARD = {"tree": 1.2, "chain": 1.1}
 
 
 @pytest.fixture(scope="module")
 def plain_outputs(smollm2) -> list[list[int]]:
     engine = Engine(smollm2)
     return [engine.generate(prompt, PARAMS).token_ids for prompt in PROMPTS]
+
+
+def tokens_per_forward_if_equal(engine: Engine, plain_outputs: list[list[int]]) -> float:
+    """Greedy speculation on the 12 prompts: every output must equal plain decoding's; returns the
+    tokens committed per target forward (well above plain decoding's 1.0: the head really drafts)."""
+    results = [engine.generate(prompt, PARAMS) for prompt in PROMPTS]
+    for prompt, result, expected in zip(PROMPTS, results, plain_outputs):
+        assert result.token_ids == expected, f"prompt {prompt!r}"
+    return sum(r.metrics.num_committed_tokens for r in results) / sum(r.metrics.num_target_forwards for r in results)
 
 
 @pytest.fixture(scope="module")
@@ -35,13 +48,32 @@ def eagle_head(smollm2):
 def test_eagle_speculation_equals_plain_greedy(smollm2, plain_outputs, eagle_head, shape):
     # top_k=1: one child per node, a chain drawn through the same tree path.
     drafter = EagleDrafter(eagle_head, smollm2.model, top_k=1 if shape == "chain" else 8, depth=6)
+    assert tokens_per_forward_if_equal(Engine(smollm2, drafter, num_draft_tokens=16), plain_outputs) > 1.3
+
+
+@pytest.fixture(scope="module")
+def medusa_heads(smollm2):
+    return load_medusa(head_for("smollm2-135m", "medusa"), smollm2.model)
+
+
+@pytest.mark.parametrize("shape", ["tree", "chain"])
+def test_medusa_speculation_equals_plain_greedy(smollm2, plain_outputs, medusa_heads, shape):
+    # chain: each head's best token only (top_k=1, beam 1); tree: their top candidates combined.
+    drafter = MedusaDrafter(medusa_heads, smollm2.model, top_k=1 if shape == "chain" else 6,
+                            beam=1 if shape == "chain" else 12)
     engine = Engine(smollm2, drafter, num_draft_tokens=16)
-    results = [engine.generate(prompt, PARAMS) for prompt in PROMPTS]
-    for prompt, result, expected in zip(PROMPTS, results, plain_outputs):
-        assert result.token_ids == expected, f"prompt {prompt!r}"
-    committed = sum(r.metrics.num_committed_tokens for r in results)
-    forwards = sum(r.metrics.num_target_forwards for r in results)
-    assert committed / forwards > 1.3  # the head really drafts: well above plain decoding's 1.0
+    assert tokens_per_forward_if_equal(engine, plain_outputs) > MEDUSA_MIN_TOKENS_PER_FORWARD[shape]
+
+
+def test_medusa_with_the_adaptive_policy_and_sampling(smollm2, plain_outputs):
+    # `--drafter medusa` with no --head: the shipped heads, the adaptive policy choosing the tree size.
+    spec = SpecConfig(drafter="medusa")
+    engine = Engine(smollm2, build_drafter(spec, smollm2), spec.max_draft_tokens, DraftLengthPolicy())
+    for prompt, expected in zip(PROMPTS[:6], plain_outputs[:6]):
+        assert engine.generate(prompt, PARAMS).token_ids == expected
+    sampled = SamplingParams(max_new_tokens=24, temperature=0.8, top_k=1, seed=5)  # top_k=1: greedy's tokens
+    for prompt, expected in zip(PROMPTS[6:9], plain_outputs[6:9]):
+        assert engine.generate(prompt, sampled).token_ids == expected
 
 
 def test_eagle_with_the_adaptive_policy_equals_plain_greedy(smollm2, plain_outputs):
@@ -67,8 +99,8 @@ def test_seeded_sampling_through_eagle_trees_is_reproducible(smollm2, eagle_head
 def test_no_shipped_head_for_a_target_names_the_training_command():
     with pytest.raises(ConfigError, match="draftwise train --kind eagle --target qwen2.5-coder-1.5b"):
         head_for("qwen2.5-coder-1.5b", "eagle")
-    with pytest.raises(ConfigError, match="no medusa head is shipped for smollm2-135m"):
-        head_for("smollm2-135m", "medusa")
+    with pytest.raises(ConfigError, match="no medusa head is shipped for qwen2.5-coder-1.5b"):
+        head_for("qwen2.5-coder-1.5b", "medusa")
 
 
 def test_head_option_is_refused_for_drafters_without_heads():
