@@ -15,6 +15,7 @@ from draftwise.drafters import ModelDrafter, NgramDrafter
 from draftwise.engine import Engine
 from draftwise.models import loading
 from draftwise.models.base import Segment
+from draftwise.models.linear import use_activations
 from tests.conftest import PROMPTS
 from tests.test_model_parity import prompt_ids
 
@@ -124,6 +125,19 @@ def test_the_compiled_layers_add_the_biases(qwen_0_5b):  # Qwen2's q, k, v proje
     assert qwen_0_5b.model.model.layers[0].self_attn.q_proj.bias is not None
     for (logits, hidden), (expected_logits, expected_hidden) in zip(compiled, modules):
         assert torch.equal(logits, expected_logits) and torch.equal(hidden, expected_hidden)
+
+
+def test_the_compiled_layers_follow_a_change_of_activations():
+    # use_activations after a forward switches the linears to int8: the compiled decoder must be
+    # rebuilt with them, not keep running float32 activations.
+    model = loading.load("smollm2-135m", auto_fetch=True, progress=False).model
+    float32_results, _ = batched_forward(model, compiled=True)
+    use_activations(model, "int8")
+    int8_results, _ = batched_forward(model, compiled=True)
+    modules, _ = batched_forward(model, compiled=False)
+    for (logits, _), (float32_logits, _), (expected, _) in zip(int8_results, float32_results, modules):
+        assert torch.equal(logits, expected) and not torch.equal(logits, float32_logits)
+
 
 @pytest.fixture(scope="module")
 def default_target():

@@ -320,7 +320,6 @@ class LlamaModel(nn.Module):
             results.append(result)
         return results
 
-
     def _compiled_decoder(self, spans: list["Span"]):
         """kernels.Decoder over this model's layers, or None where the modules must run one by
         one: no compiled kernels, a head size attention's kernel does not take, a cache other

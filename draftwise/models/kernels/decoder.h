@@ -31,8 +31,6 @@ class Decoder {
                                   const std::vector<int64_t>& num_rows, const std::vector<at::Tensor>& masks,
                                   const std::vector<int64_t>& saved_layers) const;
 
-  int64_t num_layers() const { return int64_t(layers_.size()); }
-
  private:
   struct Linear {
     at::Tensor data;

@@ -18,6 +18,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &draftwise::Decoder::add_layer)
       // The whole forward runs without the GIL (the arguments are converted before it is let
       // go): the server's HTTP thread keeps answering while a long verify forward computes.
-      .def("forward", &draftwise::Decoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
-      .def_property_readonly("num_layers", &draftwise::Decoder::num_layers);
+      .def("forward", &draftwise::Decoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
