@@ -75,24 +75,38 @@ def test_the_product_matches_float64(kernels, num_rows, num_columns):
         assert (out.double() - reference[:rows]).abs().max() < 1e-4 * num_columns ** 0.5
 
 
-@pytest.mark.parametrize("format", [WeightFormat.F32, WeightFormat.Q4_K, WeightFormat.Q6_K, WeightFormat.Q8_0])
+@pytest.mark.parametrize("format", [WeightFormat.F32, WeightFormat.Q4_K, WeightFormat.Q6_K, WeightFormat.Q8_0,
+                                    WeightFormat.Q4_1, WeightFormat.Q5_0, WeightFormat.Q4_0, WeightFormat.Q5_1],
+                         ids=lambda format: format.name)
 def test_each_row_is_bit_identical_whatever_rows_are_beside_it(kernels, format):
-    data, num_columns = real_blocks(format) if format != WeightFormat.F32 else synthetic_blocks(format, 40, 600)
+    if format == WeightFormat.F32:
+        data, num_columns = synthetic_blocks(format, 40, 600)
+    else:
+        data, num_columns = dict(CASES)[format](format)
     weight = BlockWeight(data, format, num_columns)
     torch.manual_seed(0)
     x = torch.randn(80, num_columns)
     alone = torch.cat([weight.matmul(x[i:i + 1]) for i in range(80)])
-    for group in (3, 9, 16, 33, 80):  # decode and prefill paths, tails of every size
+    for group in (2, 3, 9, 16, 20, 33, 80):  # decode and prefill paths, tails of every size
         together = torch.cat([weight.matmul(x[i:i + group]) for i in range(0, 80, group)])
         assert torch.equal(together, alone), f"rows differ when computed {group} at a time"
 
 
-def test_blocks_and_their_dequantised_float32_give_the_same_product(kernels):
-    data, num_columns = real_blocks(WeightFormat.Q4_K)
-    blocks = BlockWeight(data, WeightFormat.Q4_K, num_columns)
+BLOCK_CASES = [case for case in CASES if case[0] not in (WeightFormat.BF16, WeightFormat.F16, WeightFormat.F32)]
+
+
+@pytest.mark.parametrize("format, make", BLOCK_CASES, ids=[format.name for format, _ in BLOCK_CASES])
+def test_blocks_and_their_dequantised_float32_give_the_same_product(kernels, format, make):
+    """The decode path multiplies each block's weights in registers as it decodes them; the
+    float32 path multiplies stored floats: the same products in the same order, the same bits
+    (45 weight rows: groups of 4, 2 and single rows; 1 to 32 rows of x)."""
+    data, num_columns = make(format)
+    blocks = BlockWeight(data[:45].contiguous(), format, num_columns)
     dense = BlockWeight.from_float(blocks.rows(torch.arange(blocks.num_rows)), WeightFormat.F32)
-    x = torch.randn(9, num_columns)
-    assert torch.equal(blocks.matmul(x), dense.matmul(x))
+    torch.manual_seed(1)
+    for rows in (1, 2, 3, 5, 9, 20, 32):
+        x = torch.randn(rows, num_columns)
+        assert torch.equal(blocks.matmul(x), dense.matmul(x)), f"{rows} rows of x"
 
 
 INT8_CASES = [(WeightFormat.Q4_1, real_blocks), (WeightFormat.Q8_0, real_blocks), (WeightFormat.Q5_0, real_blocks),

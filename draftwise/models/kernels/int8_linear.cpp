@@ -35,7 +35,7 @@
 // column order, one fixed horizontal sum, then the coefficient sum), whatever the number of
 // rows of x and however threads split the work. The integer parts are exact, so every
 // instruction set below (AVX-512 VNNI, AVX-512BW, portable C++) computes the same integers.
-#include "formats.h"
+#include "blocks.h"
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
@@ -248,21 +248,6 @@ inline void block32_micro(Block32Rows x, Block32Rows w, float* y, int64_t Kp, in
 }
 
 // ---- 256-weight super-blocks (K-quants) -----------------------------------------------------
-
-// Q4_K's 12 scale bytes -> 8 six-bit scales (bytes 0..7 of out) and 8 six-bit mins (8..15):
-// scale j < 4 is the low 6 bits of byte j, min j < 4 those of byte j + 4; for j >= 4 the low
-// 4 bits come from byte j + 4 (scale: low nibble, min: high nibble) and the top 2 bits from
-// the top of byte j - 4 (scale) or byte j (min). Done on 32-bit words, 4 values at a time.
-inline void q4k_scales(const uint8_t* packed, uint8_t* out) {
-  uint32_t w[3], o[4];
-  std::memcpy(w, packed, 12);
-  const uint32_t six = 0x3f3f3f3f, four = 0x0f0f0f0f, two = 0x03030303;
-  o[0] = w[0] & six;                                      // scales 0..3
-  o[1] = (w[2] & four) | (((w[0] >> 6) & two) << 4);     // scales 4..7
-  o[2] = w[1] & six;                                      // mins 0..3
-  o[3] = ((w[2] >> 4) & four) | (((w[1] >> 6) & two) << 4);  // mins 4..7
-  std::memcpy(out, o, 16);
-}
 
 // One weight row -> u [K] bytes, sub-scales [K/2] int16 (one per byte pair, the int16 lanes
 // of the product), d [K/256], coef [K/16] (see the top of the file).

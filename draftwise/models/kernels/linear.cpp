@@ -1,19 +1,18 @@
 // y = x @ W.T with W stored as shipped: float32, float16, bfloat16 or GGUF's quantized blocks
 // (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K), x and y float32.
 //
-// A decode step (the last token plus its draft, up to a few dozen rows) is bound by the bytes
-// of W it reads. Each group of 4 weight rows is read once, dequantised into a small float32
-// buffer (L1/L2) and multiplied against every row of x while it sits there: 4-bit blocks are
-// ~7x fewer bytes than float32. A prefill (many rows) dequantises W once and runs a blocked
-// product over it.
+// A decode or verify step (the last token plus its draft, up to 32 rows) on block formats never
+// writes a float32 weight: each block is decoded 16 weights at a time in registers (blocks.h)
+// and multiplied into every row of x at once, several weight rows in step, with the next rows
+// prefetched. Float-format weights are read in groups of 4 rows and multiplied against every
+// row of x. A prefill (many rows) dequantises W once and runs a blocked product over it.
 //
 // Batch invariance: y[m, n] is always the same arithmetic: 16-lane partial sums over K in
 // order (one fused multiply-add per lane per 16 columns), one fixed horizontal sum, then the
-// K % 16 tail in order. Both paths below keep exactly that sequence per output, so a row of y
-// is bit-identical whether x has 1 row, 9, or 2000, and whatever threads split the work.
-// Dequantisation reproduces the GGUF reference (gguf-py) bit for bit: products are rounded
-// separately (no fused multiply-add), as numpy rounds them.
-#include "formats.h"
+// K % 16 tail in order. Every path below keeps exactly that sequence per output on the same
+// weight values, so a row of y is bit-identical whether x has 1 row, 9, or 2000, and whatever
+// threads split the work. Dequantisation reproduces the GGUF reference (gguf-py) bit for bit.
+#include "blocks.h"
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
@@ -31,30 +30,7 @@ constexpr int ROWS_OF_W = 4;  // weight rows per block: 4 x 6 = 24 accumulators 
 constexpr int ROWS_OF_X = 6;
 constexpr int64_t SKINNY_MAX_ROWS = 32;  // more rows than this: the prefill path
 
-// 16 unsigned bytes -> 16 int32 lanes. Spelled with intrinsics where they exist: GCC lowers
-// __builtin_convertvector(uint8 x 16 -> int32 x 16) to scalar code (measured: 4x slower).
-inline vi16 widen(const uint8_t* p) {
-  vi16 out;
-#if defined(__AVX512F__)
-  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  std::memcpy(&out, &v, sizeof out);
-#elif defined(__AVX2__)
-  const __m256i low = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m256i high = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
-  std::memcpy(&out, &low, 32);
-  std::memcpy(reinterpret_cast<char*>(&out) + 32, &high, 32);
-#else
-  for (int i = 0; i < 16; ++i) out[i] = p[i];
-#endif
-  return out;
-}
-inline v16 to_float(vi16 v) { return __builtin_convertvector(v, v16); }
-
-// One row of K weights from its blocks into out, 16 lanes at a time. The result is gguf-py's
-// dequantisation bit for bit: every product below is exact in float32 (a float16 scale, times
-// a scale of at most 6 bits, times a quantized value of at most 8 bits, needs at most 25
-// significant bits only for Q6_K, which adds nothing after it), so a fused multiply-add
-// rounds exactly as numpy's separate multiply and add do.
+// One row of K weights from its format into out (float32), 16 at a time: blocks.h's values.
 void dequantize_row(int64_t format, const uint8_t* row, float* out, int64_t K) {
   switch (format) {
     case F16:
@@ -67,97 +43,12 @@ void dequantize_row(int64_t format, const uint8_t* row, float* out, int64_t K) {
         std::memcpy(out + k, &bits, 4);
       }
       return;
-    case Q4_0:
-    case Q4_1: {
-      const bool with_min = format == Q4_1;
-      const int64_t bytes = with_min ? 20 : 18;
-      for (int64_t b = 0; b < K / 32; ++b, row += bytes, out += 32) {
-        const float d = half_to_float(row);
-        const vi16 qs = widen(row + (with_min ? 4 : 2));
-        if (with_min) {
-          const float m = half_to_float(row + 2);
-          store16(out, d * to_float(qs & 15) + m);
-          store16(out + 16, d * to_float(qs >> 4) + m);
-        } else {
-          store16(out, d * to_float((qs & 15) - 8));
-          store16(out + 16, d * to_float((qs >> 4) - 8));
-        }
-      }
-      return;
-    }
-    case Q5_0:
-    case Q5_1: {
-      const bool with_min = format == Q5_1;
-      const int64_t bytes = with_min ? 24 : 22;
-      const vi16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-      for (int64_t b = 0; b < K / 32; ++b, row += bytes, out += 32) {
-        const float d = half_to_float(row);
-        uint32_t qh;
-        std::memcpy(&qh, row + (with_min ? 4 : 2), 4);
-        const vi16 qs = widen(row + (with_min ? 8 : 6));
-        const vi16 high_bits = vi16{} + int32_t(qh);
-        const vi16 low = (qs & 15) | ((high_bits >> lane) & 1) << 4;
-        const vi16 high = (qs >> 4) | ((high_bits >> (lane + 16)) & 1) << 4;
-        if (with_min) {
-          const float m = half_to_float(row + 2);
-          store16(out, d * to_float(low) + m);
-          store16(out + 16, d * to_float(high) + m);
-        } else {
-          store16(out, d * to_float(low - 16));
-          store16(out + 16, d * to_float(high - 16));
-        }
-      }
-      return;
-    }
-    case Q8_0:
-      for (int64_t b = 0; b < K / 32; ++b, row += 34, out += 32) {
-        const float d = half_to_float(row);
-#pragma GCC unroll 2
-        for (int half = 0; half < 2; ++half) {
-          const vi16 values = (widen(row + 2 + 16 * half) ^ 128) - 128;  // int8 -> int32
-          store16(out + 16 * half, to_float(values) * d);
-        }
-      }
-      return;
-    case Q4_K:
-      for (int64_t b = 0; b < K / 256; ++b, row += 144, out += 256) {
-        const float d = half_to_float(row), dmin = half_to_float(row + 2);
-        const uint8_t* sc = row + 4;  // 12 bytes: 8 six-bit scales and 8 six-bit mins
-        const uint8_t* qs = row + 16;
-#pragma GCC unroll 8
-        for (int j = 0; j < 8; ++j) {
-          const int scale = j < 4 ? sc[j] & 63 : (sc[j + 4] & 15) | (sc[j - 4] >> 6) << 4;
-          const int min = j < 4 ? sc[j + 4] & 63 : (sc[j + 4] >> 4) | (sc[j] >> 6) << 4;
-          const float d1 = d * float(scale), m1 = dmin * float(min);
-          const int shift = (j % 2) * 4;
-#pragma GCC unroll 2
-          for (int half = 0; half < 2; ++half) {
-            const vi16 q = widen(qs + (j / 2) * 32 + 16 * half);
-            store16(out + j * 32 + 16 * half, d1 * to_float((q >> shift) & 15) - m1);
-          }
-        }
-      }
-      return;
-    case Q6_K:
-      for (int64_t b = 0; b < K / 256; ++b, row += 210, out += 256) {
-        const uint8_t* ql = row;
-        const uint8_t* qh = row + 128;
-        const int8_t* sc = reinterpret_cast<const int8_t*>(row + 192);
-        const float d = half_to_float(row + 208);
-#pragma GCC unroll 2
-        for (int half = 0; half < 2; ++half) {
-#pragma GCC unroll 8
-          for (int l = 0; l < 128; l += 16) {  // 16 weights sharing one scale
-            const vi16 low = (widen(ql + half * 64 + l % 64) >> (4 * (l / 64))) & 15;
-            const vi16 high = (widen(qh + half * 32 + l % 32) >> (2 * (l / 32))) & 3;
-            const float scale = d * float(sc[(half * 128 + l) / 16]);
-            store16(out + half * 128 + l, scale * to_float((low | high << 4) - 32));
-          }
-        }
-      }
-      return;
   }
-  TORCH_CHECK(false, "draftwise kernels: cannot dequantise weight format ", format);
+  with_blocks(format, [&](auto blocks) {
+    using B = decltype(blocks);
+    for (int64_t b = 0; b < K / B::WEIGHTS; ++b, row += B::BYTES, out += B::WEIGHTS)
+      B::template decode<1>(&row, [&](int g, const v16* w) { store16(out + 16 * g, w[0]); });
+  });
 }
 
 // acc[m][r] for the K % 16 tail and the final sum: shared by both paths, so they agree.
@@ -230,8 +121,8 @@ float* thread_buffer(int64_t size) {
   return reinterpret_cast<float*>((address + 63) & ~uintptr_t(63));
 }
 
-// Few rows: each thread takes whole groups of 4 weight rows, dequantises them once and runs
-// every x row against them.
+// Few rows on float formats (F32, F16, BF16): each thread takes whole groups of 4 weight rows,
+// converts them to float32 once (F16, BF16) and runs every x row against them.
 void skinny(const float* x, const uint8_t* w, int64_t format, float* y, int64_t M, int64_t K, int64_t N,
             int64_t row_bytes) {
   const int64_t num_blocks = (N + ROWS_OF_W - 1) / ROWS_OF_W;
@@ -250,6 +141,98 @@ void skinny(const float* x, const uint8_t* w, int64_t format, float* y, int64_t 
         for (int64_t r = 0; r < rows; ++r) all_rows<1>(x, rows_f32 + r * K, y + n + r, M, K, N);
       }
     }
+  });
+}
+
+// Few rows of x on block formats: weight rows are decoded 16 weights at a time (blocks.h) and
+// every row of x (up to 8 at once) is multiplied into the 16 weights while they are in a
+// register; 2 or 4 weight rows advance in step, so a one-token step keeps 4 independent sums
+// in flight. Per output the same fused multiply-adds, in the same column order, on the same
+// floats as block<> over a dequantised row, so the two agree bit for bit (the tests check it).
+// The work goes in slices of K whose rows of x stay in L1 (about 16 KB), each thread keeping
+// the 16-lane partial sums of its weight rows between slices.
+constexpr int FUSED_ROWS_OF_X = 8;
+constexpr int64_t FUSED_ROWS_OF_W = 8;  // weight rows a thread carries through the slices
+constexpr int64_t FUSED_X_BYTES = 16 * 1024;
+
+// partial[j * stride + i] (16 lanes) += x row i . weight row j over `columns` columns.
+// ahead: bytes from a block to the one the next call will read (prefetched here: the hardware
+// prefetchers lose track of several short row streams read in step; measured 2x slower).
+template <typename B, int NUM_X, int NUM_W>
+inline void fused_slice(const float* x, const uint8_t* const* rows, v16* partial, int64_t stride, int64_t columns,
+                        int64_t K, int64_t ahead) {
+  v16 acc[NUM_X][NUM_W];
+  const uint8_t* block[NUM_W];
+  for (int j = 0; j < NUM_W; ++j) {
+    block[j] = rows[j];
+    for (int i = 0; i < NUM_X; ++i) acc[i][j] = partial[j * stride + i];
+  }
+  for (int64_t b = 0; b < columns / B::WEIGHTS; ++b) {
+    const float* xb = x + b * B::WEIGHTS;
+    for (int j = 0; j < NUM_W; ++j)
+      for (int64_t line = 0; line < B::BYTES; line += 64) __builtin_prefetch(block[j] + ahead + line);
+    B::template decode<NUM_W>(block, [&](int g, const v16* w) ALWAYS_INLINE_LAMBDA {
+#pragma GCC unroll 8
+      for (int i = 0; i < NUM_X; ++i) {
+        const v16 xs = load16(xb + i * K + 16 * g);
+#pragma GCC unroll 4
+        for (int j = 0; j < NUM_W; ++j) acc[i][j] += xs * w[j];
+      }
+    });
+    for (int j = 0; j < NUM_W; ++j) block[j] += B::BYTES;
+  }
+  for (int j = 0; j < NUM_W; ++j)
+    for (int i = 0; i < NUM_X; ++i) partial[j * stride + i] = acc[i][j];
+}
+
+template <typename B, int NUM_W, int NUM_X = FUSED_ROWS_OF_X>
+inline void fused_slice_rows(int64_t num_x, const float* x, const uint8_t* const* rows, v16* partial, int64_t stride,
+                             int64_t columns, int64_t K, int64_t ahead) {
+  if constexpr (NUM_X > 1) {
+    if (num_x < NUM_X) return fused_slice_rows<B, NUM_W, NUM_X - 1>(num_x, x, rows, partial, stride, columns, K, ahead);
+  }
+  fused_slice<B, NUM_X, NUM_W>(x, rows, partial, stride, columns, K, ahead);
+}
+
+void fused(const float* x, const uint8_t* w, int64_t format, float* y, int64_t M, int64_t K, int64_t N,
+           int64_t row_bytes) {
+  // Rows of x in even groups of at most 8 (9 -> 5 + 4); weight rows 4 abreast for one or two
+  // rows of x, 2 abreast for more (at most 16 accumulators).
+  const int64_t groups = (M + FUSED_ROWS_OF_X - 1) / FUSED_ROWS_OF_X, per_group = (M + groups - 1) / groups;
+  const int64_t abreast = per_group <= 2 ? 4 : 2;
+  with_blocks(format, [&](auto blocks) {
+    using B = decltype(blocks);
+    const int64_t x_columns = FUSED_X_BYTES / 4 / per_group / B::WEIGHTS * B::WEIGHTS;
+    const int64_t slice = std::clamp<int64_t>(x_columns, B::WEIGHTS, K);
+    const int64_t chunks = (N + FUSED_ROWS_OF_W - 1) / FUSED_ROWS_OF_W;
+    at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+      v16* partial = reinterpret_cast<v16*>(thread_buffer(FUSED_ROWS_OF_W * M * 16));
+      for (int64_t c = c0; c < c1; ++c) {
+        const int64_t n0 = c * FUSED_ROWS_OF_W, rows = std::min(FUSED_ROWS_OF_W, N - n0);
+        for (int64_t i = 0; i < rows * M; ++i) partial[i] = v16{};
+        for (int64_t k0 = 0; k0 < K; k0 += slice) {
+          const int64_t columns = std::min(slice, K - k0);
+          const uint8_t* row[FUSED_ROWS_OF_W];
+          for (int64_t r = 0; r < rows; ++r) row[r] = w + (n0 + r) * row_bytes + k0 / B::WEIGHTS * B::BYTES;
+          for (int64_t m = 0; m < M; m += per_group) {
+            const int64_t num_x = std::min(per_group, M - m);
+            const float* xm = x + m * K + k0;
+            const int64_t next = abreast * row_bytes;  // what the next call reads: the next rows
+            int64_t r = 0;
+            if (abreast == 4) {
+              for (; r + 4 <= rows; r += 4)
+                fused_slice_rows<B, 4, 2>(num_x, xm, row + r, partial + r * M + m, M, columns, K, next);
+            } else {
+              for (; r + 2 <= rows; r += 2)
+                fused_slice_rows<B, 2>(num_x, xm, row + r, partial + r * M + m, M, columns, K, next);
+            }
+            for (; r < rows; ++r) fused_slice_rows<B, 1>(num_x, xm, row + r, partial + r * M + m, M, columns, K, next);
+          }
+        }
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t m = 0; m < M; ++m) y[m * N + n0 + r] = horizontal_sum(partial[r * M + m]);
+      }
+    });
   });
 }
 
@@ -324,7 +307,7 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& weight, int64_t
   const int64_t M = x.size(0), N = weight.size(0);
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
-  const auto run = M <= SKINNY_MAX_ROWS ? skinny : prefill;
+  const auto run = M > SKINNY_MAX_ROWS ? prefill : is_block_format(format) ? fused : skinny;
   run(x.data_ptr<float>(), weight.data_ptr<uint8_t>(), format, y.data_ptr<float>(), M, K, N, weight.size(1));
   return y;
 }

@@ -1,0 +1,331 @@
+// GGUF's quantized blocks decoded to float32, 16 weights at a time, in column order.
+//
+// One definition of every block format's values, used by both float32-activation paths of
+// linear.cpp: a decode or verify step multiplies each group of 16 weights into every row of x
+// while it is in a register (no float32 copy of the row is written), a prefill stores the
+// groups into a dequantised copy. Both see the same 16 floats per group, so they compute the
+// same products. The values are gguf-py's bit for bit (tests/test_kernels.py): every product
+// below is exact in float32 (a float16 scale, times a scale of at most 6 bits, times a
+// quantized value of at most 8 bits, needs more than 24 significant bits only for Q6_K's
+// product, which is then rounded once as numpy rounds it).
+//
+// Where the values of a block are at most 4 bits (Q4_0, Q4_1, Q4_K), the 16 possible weights
+// of a (sub-)block are computed once into a table and each weight is a table lookup of its
+// nibble (one permute instead of a mask, a conversion and a multiply-add): the same float
+// for the same nibble, as the formula gives it.
+//
+// Blocks<FORMAT>::decode<R>(blocks, use) calls use(g, w) for g = 0, 1, ... (the groups of 16
+// columns of a block, in order) with w[r] the group's 16 weights in blocks[r].
+#pragma once
+
+#include "formats.h"
+
+// Decoders and the loops they feed are one function to the compiler (its inliner otherwise
+// gives up on the larger ones, and the accumulators then live in memory: measured 2x slower).
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+#define ALWAYS_INLINE_LAMBDA __attribute__((always_inline))
+
+namespace draftwise {
+
+// 16 unsigned bytes -> 16 int32 lanes. Spelled with intrinsics where they exist: GCC lowers
+// __builtin_convertvector(uint8 x 16 -> int32 x 16) to scalar code (measured: 4x slower).
+inline vi16 widen(const uint8_t* p) {
+  vi16 out;
+#if defined(__AVX512F__)
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  std::memcpy(&out, &v, sizeof out);
+#elif defined(__AVX2__)
+  const __m256i low = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i high = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+  std::memcpy(&out, &low, 32);
+  std::memcpy(reinterpret_cast<char*>(&out) + 32, &high, 32);
+#else
+  for (int i = 0; i < 16; ++i) out[i] = p[i];
+#endif
+  return out;
+}
+// 16 signed bytes -> 16 int32 lanes.
+inline vi16 widen_signed(const int8_t* p) {
+#if defined(__AVX512F__)
+  const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  vi16 out;
+  std::memcpy(&out, &v, sizeof out);
+  return out;
+#else
+  return (widen(reinterpret_cast<const uint8_t*>(p)) ^ 128) - 128;
+#endif
+}
+inline v16 to_float(vi16 v) { return __builtin_convertvector(v, v16); }
+
+// table[q & 15] per lane (only the low 4 bits of each lane of q are read).
+inline v16 lookup(v16 table, vi16 q) {
+#if defined(__AVX512F__)
+  __m512 t;
+  __m512i i;
+  std::memcpy(&t, &table, sizeof t);
+  std::memcpy(&i, &q, sizeof i);
+  const __m512 out = _mm512_permutexvar_ps(i, t);
+  v16 w;
+  std::memcpy(&w, &out, sizeof w);
+  return w;
+#else
+  v16 w;
+  for (int l = 0; l < 16; ++l) w[l] = table[q[l] & 15];
+  return w;
+#endif
+}
+
+inline const v16 kIota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+// The float16 at p, as a float32 in all 16 lanes (converted in a vector register: no scalar
+// round trip).
+inline v16 splat_half(const uint8_t* p) {
+#if defined(__AVX512F__)
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  const __m512 v = _mm512_cvtph_ps(_mm256_set1_epi16(int16_t(bits)));
+  v16 out;
+  std::memcpy(&out, &v, sizeof out);
+  return out;
+#else
+  return v16{} + half_to_float(p);
+#endif
+}
+
+// Lane `lane` of v in all 16 lanes.
+inline v16 splat(v16 v, int lane) {
+#if defined(__AVX512F__)
+  __m512 in;
+  std::memcpy(&in, &v, sizeof in);
+  const __m512 out = _mm512_permutexvar_ps(_mm512_set1_epi32(lane), in);
+  v16 w;
+  std::memcpy(&w, &out, sizeof w);
+  return w;
+#else
+  return v16{} + v[lane];
+#endif
+}
+
+// Q4_K's 12 scale bytes -> 8 six-bit scales (bytes 0..7 of out) and 8 six-bit mins (8..15):
+// scale j < 4 is the low 6 bits of byte j, min j < 4 those of byte j + 4; for j >= 4 the low
+// 4 bits come from byte j + 4 (scale: low nibble, min: high nibble) and the top 2 bits from
+// the top of byte j - 4 (scale) or byte j (min). Done on 32-bit words, 4 values at a time.
+inline void q4k_scales(const uint8_t* packed, uint8_t* out) {
+  uint32_t w[3], o[4];
+  std::memcpy(w, packed, 12);
+  const uint32_t six = 0x3f3f3f3f, four = 0x0f0f0f0f, two = 0x03030303;
+  o[0] = w[0] & six;                                      // scales 0..3
+  o[1] = (w[2] & four) | (((w[0] >> 6) & two) << 4);     // scales 4..7
+  o[2] = w[1] & six;                                      // mins 0..3
+  o[3] = ((w[2] >> 4) & four) | (((w[1] >> 6) & two) << 4);  // mins 4..7
+  std::memcpy(out, o, 16);
+}
+
+template <int64_t FORMAT>
+struct Blocks;
+
+// Each decode below takes R blocks (one per weight row, R a compile-time count) and calls
+// use(g, w) with w[r] the 16 weights of group g of block r: the rows advance in step, so a
+// caller multiplying several rows keeps several independent sums in flight.
+
+// Q4_0: d (float16), 16 bytes of nibbles; w = d * (q - 8), low nibbles columns 0..15.
+template <>
+struct Blocks<Q4_0> {
+  static constexpr int64_t WEIGHTS = 32, BYTES = 18;
+  template <int R, typename Use>
+  static ALWAYS_INLINE void decode(const uint8_t* const* block, Use use) {
+    v16 table[R], w[R];
+    vi16 q[R];
+    for (int r = 0; r < R; ++r) {
+      table[r] = splat_half(block[r]) * (kIota - 8.0f);
+      q[r] = widen(block[r] + 2);
+    }
+    for (int r = 0; r < R; ++r) w[r] = lookup(table[r], q[r]);
+    use(0, w);
+    for (int r = 0; r < R; ++r) w[r] = lookup(table[r], q[r] >> 4);
+    use(1, w);
+  }
+};
+
+// Q4_1: d, m (float16), 16 bytes of nibbles; w = d * q + m.
+template <>
+struct Blocks<Q4_1> {
+  static constexpr int64_t WEIGHTS = 32, BYTES = 20;
+  template <int R, typename Use>
+  static ALWAYS_INLINE void decode(const uint8_t* const* block, Use use) {
+    v16 table[R], w[R];
+    vi16 q[R];
+    for (int r = 0; r < R; ++r) {
+      table[r] = splat_half(block[r]) * kIota + splat_half(block[r] + 2);
+      q[r] = widen(block[r] + 4);
+    }
+    for (int r = 0; r < R; ++r) w[r] = lookup(table[r], q[r]);
+    use(0, w);
+    for (int r = 0; r < R; ++r) w[r] = lookup(table[r], q[r] >> 4);
+    use(1, w);
+  }
+};
+
+// Q5_0 / Q5_1: d (, m), 32 high bits, 16 bytes of nibbles; w = d * (q - 16) or d * q + m.
+template <bool WITH_MIN>
+struct Blocks5 {
+  static constexpr int64_t WEIGHTS = 32, BYTES = WITH_MIN ? 24 : 22;
+  template <int R, typename Use>
+  static ALWAYS_INLINE void decode(const uint8_t* const* block, Use use) {
+    const vi16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    v16 w[2][R];
+    for (int r = 0; r < R; ++r) {
+      const float d = half_to_float(block[r]);
+      uint32_t qh;
+      std::memcpy(&qh, block[r] + (WITH_MIN ? 4 : 2), 4);
+      const vi16 qs = widen(block[r] + (WITH_MIN ? 8 : 6));
+      const vi16 high_bits = vi16{} + int32_t(qh);
+      const vi16 low = (qs & 15) | ((high_bits >> lane) & 1) << 4;
+      const vi16 high = (qs >> 4) | ((high_bits >> (lane + 16)) & 1) << 4;
+      if constexpr (WITH_MIN) {
+        const float m = half_to_float(block[r] + 2);
+        w[0][r] = d * to_float(low) + m;
+        w[1][r] = d * to_float(high) + m;
+      } else {
+        w[0][r] = d * to_float(low - 16);
+        w[1][r] = d * to_float(high - 16);
+      }
+    }
+    use(0, w[0]);
+    use(1, w[1]);
+  }
+};
+template <>
+struct Blocks<Q5_0> : Blocks5<false> {};
+template <>
+struct Blocks<Q5_1> : Blocks5<true> {};
+
+// Q8_0: d, 32 int8 values; w = d * q.
+template <>
+struct Blocks<Q8_0> {
+  static constexpr int64_t WEIGHTS = 32, BYTES = 34;
+  template <int R, typename Use>
+  static ALWAYS_INLINE void decode(const uint8_t* const* block, Use use) {
+    v16 w[R];
+    for (int half = 0; half < 2; ++half) {
+      for (int r = 0; r < R; ++r)
+        w[r] = to_float((widen(block[r] + 2 + 16 * half) ^ 128) - 128) * splat_half(block[r]);  // int8 -> int32
+      use(half, w);
+    }
+  }
+};
+
+// Q4_K: d, dmin (float16), 12 bytes of 6-bit scales and mins, 128 bytes of nibbles (32 bytes
+// per pair of 32-column sub-blocks: the first in the low nibbles); w = d * scale_j * q - dmin *
+// min_j in sub-block j.
+template <>
+struct Blocks<Q4_K> {
+  static constexpr int64_t WEIGHTS = 256, BYTES = 144;
+  template <int R, typename Use>
+  static ALWAYS_INLINE void decode(const uint8_t* const* block, Use use) {
+    // per row: d * scale_j in 0..7, dmin * min_j in 8..15; kept in memory, so that each
+    // table below is one multiply-add with broadcast operands
+    alignas(64) float scaled[R][16];
+    for (int r = 0; r < R; ++r) {
+      alignas(16) uint8_t scales[16];
+      q4k_scales(block[r] + 4, scales);
+      const v16 d = splat_half(block[r]), dmin = splat_half(block[r] + 2);
+      const v16 both = __builtin_shufflevector(d, dmin, 0, 1, 2, 3, 4, 5, 6, 7, 24, 25, 26, 27, 28, 29, 30, 31);
+      store16(scaled[r], to_float(widen(scales)) * both);
+    }
+#pragma GCC unroll 4
+    for (int pair = 0; pair < 4; ++pair) {
+      v16 table[R], w[R];
+      vi16 first[R], second[R];
+      for (int r = 0; r < R; ++r) {
+        table[r] = scaled[r][2 * pair] * kIota - scaled[r][8 + 2 * pair];
+        first[r] = widen(block[r] + 16 + 32 * pair);
+        second[r] = widen(block[r] + 32 + 32 * pair);
+      }
+      for (int r = 0; r < R; ++r) w[r] = lookup(table[r], first[r]);
+      use(4 * pair, w);
+      for (int r = 0; r < R; ++r) w[r] = lookup(table[r], second[r]);
+      use(4 * pair + 1, w);
+      for (int r = 0; r < R; ++r) table[r] = scaled[r][2 * pair + 1] * kIota - scaled[r][9 + 2 * pair];
+      for (int r = 0; r < R; ++r) w[r] = lookup(table[r], first[r] >> 4);
+      use(4 * pair + 2, w);
+      for (int r = 0; r < R; ++r) w[r] = lookup(table[r], second[r] >> 4);
+      use(4 * pair + 3, w);
+    }
+  }
+};
+
+// Q6_K: 128 bytes of low nibbles, 64 bytes of 2-bit highs, 16 int8 scales, d (float16);
+// w = d * scale_g * (q - 32) for the 16 columns of group g. In each half of 128 columns, value
+// l + 32 s (s = 0..3) = nibble (s / 2) of ql[l + 32 (s % 2)] | bits (2 s) of qh[l] << 4.
+template <>
+struct Blocks<Q6_K> {
+  static constexpr int64_t WEIGHTS = 256, BYTES = 210;
+
+  // Half h (128 columns) of a block -> its 128 values q - 32 as int8, in column order.
+  static ALWAYS_INLINE void values(const uint8_t* block, int half, int8_t* out) {
+    const uint8_t* ql = block + 64 * half;
+    const uint8_t* qh = block + 128 + 32 * half;
+#if defined(__AVX512BW__)
+    // Bytes 0..31 of a 64-byte vector are s = 0 (or 2), bytes 32..63 s = 1 (or 3).
+    const __m512i low = _mm512_loadu_si512(ql), nibble = _mm512_set1_epi8(15), two = _mm512_set1_epi8(3);
+    const __m512i high = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh)));
+    const __m512i shift01 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    const __m512i shift23 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
+    const __m512i bias = _mm512_set1_epi8(32);
+    const __m512i v01 = _mm512_or_si512(_mm512_and_si512(low, nibble),
+                                        _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(high, shift01), two), 4));
+    const __m512i v23 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low, 4), nibble),
+                                        _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(high, shift23), two), 4));
+    _mm512_storeu_si512(out, _mm512_sub_epi8(v01, bias));
+    _mm512_storeu_si512(out + 64, _mm512_sub_epi8(v23, bias));
+#else
+    for (int s = 0; s < 4; ++s)
+      for (int l = 0; l < 32; ++l)
+        out[32 * s + l] = int8_t((((ql[l + 32 * (s % 2)] >> (4 * (s / 2))) & 15) | ((qh[l] >> (2 * s)) & 3) << 4) - 32);
+#endif
+  }
+
+  template <int R, typename Use>
+  static ALWAYS_INLINE void decode(const uint8_t* const* block, Use use) {
+    alignas(64) float scale[R][16];  // d * scale_g
+    for (int r = 0; r < R; ++r) {
+      const vi16 sc = (widen(block[r] + 192) ^ 128) - 128;  // int8 -> int32
+      store16(scale[r], splat_half(block[r] + 208) * to_float(sc));
+    }
+#pragma GCC unroll 2
+    for (int half = 0; half < 2; ++half) {
+      alignas(64) int8_t q[R][128];
+      for (int r = 0; r < R; ++r) values(block[r], half, q[r]);
+#pragma GCC unroll 8
+      for (int g = 0; g < 8; ++g) {  // columns 16 g .. 16 g + 15 of the half
+        v16 w[R];
+        for (int r = 0; r < R; ++r) w[r] = scale[r][8 * half + g] * to_float(widen_signed(q[r] + 16 * g));
+        use(8 * half + g, w);
+      }
+    }
+  }
+};
+
+// Calls body(Blocks<format>{}) for a block format's decoder (the format as a type, so that
+// each caller's loop is compiled once per format).
+template <typename Body>
+inline void with_blocks(int64_t format, Body body) {
+  switch (format) {
+    case Q4_0: return body(Blocks<Q4_0>{});
+    case Q4_1: return body(Blocks<Q4_1>{});
+    case Q5_0: return body(Blocks<Q5_0>{});
+    case Q5_1: return body(Blocks<Q5_1>{});
+    case Q8_0: return body(Blocks<Q8_0>{});
+    case Q4_K: return body(Blocks<Q4_K>{});
+    case Q6_K: return body(Blocks<Q6_K>{});
+  }
+  TORCH_CHECK(false, "draftwise kernels: weight format ", format, " is not a block format");
+}
+
+inline bool is_block_format(int64_t format) {
+  return format == Q4_0 || format == Q4_1 || format == Q5_0 || format == Q5_1 || format == Q8_0 ||
+         format == Q4_K || format == Q6_K;
+}
+
+}  // namespace draftwise
