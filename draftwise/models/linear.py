@@ -3,7 +3,7 @@
 Every weight of the native decoder lives in one of GGUF's formats (`WeightFormat`): the
 quantized blocks of a GGUF file as shipped (Q4_K, Q6_K, Q5_0, Q4_1, Q8_0, ...), bfloat16 or
 float16 halves, or float32. draftwise's kernel (kernels/linear.cpp) reads each block once per
-forward for a decode or verify step, dequantises it in cache and multiplies it in float32: a
+forward for a decode or verify step, decodes it in registers and multiplies it in float32: a
 4-bit file is read at ~4.5 bits a weight instead of the 32 of a dequantised copy, and a row's
 result never depends on the rows beside it (batch invariance, kernels/vec.h).
 
@@ -12,7 +12,7 @@ float16 scale, plus a float16 minimum for Q4_1): the same kernel, the same invar
 
 `--activations int8` rounds each row of a linear's input to 8 bits per 32 columns (per 256
 for Q4_K / Q6_K; one float scale each) and multiplies it against the blocks with exact integer
-dot products (kernels/int8_linear.cpp): about 2.4x faster for a decode step on a Q4_K_M file,
+dot products (kernels/int8_linear.cpp): about 1.8x faster for a decode step on a Q4_K_M file,
 still batch-invariant, and as close to float32 activations as llama.cpp is (README, "int8
 activations": on Qwen2.5-1.5B mean KL 0.08 nats, top-1 0.960; on SmolLM2 KL 0.0045, top-1
 0.968; benchmarks/numerics.py measures it). Float-format weights (F32, F16, BF16) keep

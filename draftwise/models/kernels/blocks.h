@@ -128,17 +128,22 @@ struct Blocks;
 // use(g, w) with w[r] the 16 weights of group g of block r: the rows advance in step, so a
 // caller multiplying several rows keeps several independent sums in flight.
 
-// Q4_0: d (float16), 16 bytes of nibbles; w = d * (q - 8), low nibbles columns 0..15.
-template <>
-struct Blocks<Q4_0> {
-  static constexpr int64_t WEIGHTS = 32, BYTES = 18;
+// Q4_0 / Q4_1: d (, m) (float16), 16 bytes of nibbles (the low ones are columns 0..15);
+// w = d * (q - 8), or d * q + m.
+template <bool WITH_MIN>
+struct Blocks4 {
+  static constexpr int64_t WEIGHTS = 32, BYTES = WITH_MIN ? 20 : 18;
   template <int R, typename Use>
   static ALWAYS_INLINE void decode(const uint8_t* const* block, Use use) {
     v16 table[R], w[R];
     vi16 q[R];
     for (int r = 0; r < R; ++r) {
-      table[r] = splat_half(block[r]) * (kIota - 8.0f);
-      q[r] = widen(block[r] + 2);
+      if constexpr (WITH_MIN) {
+        table[r] = splat_half(block[r]) * kIota + splat_half(block[r] + 2);
+      } else {
+        table[r] = splat_half(block[r]) * (kIota - 8.0f);
+      }
+      q[r] = widen(block[r] + (WITH_MIN ? 4 : 2));
     }
     for (int r = 0; r < R; ++r) w[r] = lookup(table[r], q[r]);
     use(0, w);
@@ -146,25 +151,10 @@ struct Blocks<Q4_0> {
     use(1, w);
   }
 };
-
-// Q4_1: d, m (float16), 16 bytes of nibbles; w = d * q + m.
 template <>
-struct Blocks<Q4_1> {
-  static constexpr int64_t WEIGHTS = 32, BYTES = 20;
-  template <int R, typename Use>
-  static ALWAYS_INLINE void decode(const uint8_t* const* block, Use use) {
-    v16 table[R], w[R];
-    vi16 q[R];
-    for (int r = 0; r < R; ++r) {
-      table[r] = splat_half(block[r]) * kIota + splat_half(block[r] + 2);
-      q[r] = widen(block[r] + 4);
-    }
-    for (int r = 0; r < R; ++r) w[r] = lookup(table[r], q[r]);
-    use(0, w);
-    for (int r = 0; r < R; ++r) w[r] = lookup(table[r], q[r] >> 4);
-    use(1, w);
-  }
-};
+struct Blocks<Q4_0> : Blocks4<false> {};
+template <>
+struct Blocks<Q4_1> : Blocks4<true> {};
 
 // Q5_0 / Q5_1: d (, m), 32 high bits, 16 bytes of nibbles; w = d * (q - 16) or d * q + m.
 template <bool WITH_MIN>
