@@ -22,8 +22,8 @@
 
 // Decoders and the loops they feed are one function to the compiler (its inliner otherwise
 // gives up on the larger ones, and the accumulators then live in memory: measured 2x slower).
-#define ALWAYS_INLINE inline __attribute__((always_inline))
-#define ALWAYS_INLINE_LAMBDA __attribute__((always_inline))
+#define DRAFTWISE_ALWAYS_INLINE inline __attribute__((always_inline))
+#define DRAFTWISE_INLINE_LAMBDA __attribute__((always_inline))
 
 namespace draftwise {
 
@@ -92,20 +92,6 @@ inline v16 splat_half(const uint8_t* p) {
 #endif
 }
 
-// Lane `lane` of v in all 16 lanes.
-inline v16 splat(v16 v, int lane) {
-#if defined(__AVX512F__)
-  __m512 in;
-  std::memcpy(&in, &v, sizeof in);
-  const __m512 out = _mm512_permutexvar_ps(_mm512_set1_epi32(lane), in);
-  v16 w;
-  std::memcpy(&w, &out, sizeof w);
-  return w;
-#else
-  return v16{} + v[lane];
-#endif
-}
-
 // Q4_K's 12 scale bytes -> 8 six-bit scales (bytes 0..7 of out) and 8 six-bit mins (8..15):
 // scale j < 4 is the low 6 bits of byte j, min j < 4 those of byte j + 4; for j >= 4 the low
 // 4 bits come from byte j + 4 (scale: low nibble, min: high nibble) and the top 2 bits from
@@ -134,7 +120,7 @@ template <bool WITH_MIN>
 struct Blocks4 {
   static constexpr int64_t WEIGHTS = 32, BYTES = WITH_MIN ? 20 : 18;
   template <int R, typename Use>
-  static ALWAYS_INLINE void decode(const uint8_t* const* block, Use use) {
+  static DRAFTWISE_ALWAYS_INLINE void decode(const uint8_t* const* block, Use use) {
     v16 table[R], w[R];
     vi16 q[R];
     for (int r = 0; r < R; ++r) {
@@ -161,7 +147,7 @@ template <bool WITH_MIN>
 struct Blocks5 {
   static constexpr int64_t WEIGHTS = 32, BYTES = WITH_MIN ? 24 : 22;
   template <int R, typename Use>
-  static ALWAYS_INLINE void decode(const uint8_t* const* block, Use use) {
+  static DRAFTWISE_ALWAYS_INLINE void decode(const uint8_t* const* block, Use use) {
     const vi16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     v16 w[2][R];
     for (int r = 0; r < R; ++r) {
@@ -195,11 +181,13 @@ template <>
 struct Blocks<Q8_0> {
   static constexpr int64_t WEIGHTS = 32, BYTES = 34;
   template <int R, typename Use>
-  static ALWAYS_INLINE void decode(const uint8_t* const* block, Use use) {
+  static DRAFTWISE_ALWAYS_INLINE void decode(const uint8_t* const* block, Use use) {
     v16 w[R];
     for (int half = 0; half < 2; ++half) {
-      for (int r = 0; r < R; ++r)
-        w[r] = to_float((widen(block[r] + 2 + 16 * half) ^ 128) - 128) * splat_half(block[r]);  // int8 -> int32
+      for (int r = 0; r < R; ++r) {
+        const int8_t* q = reinterpret_cast<const int8_t*>(block[r] + 2);
+        w[r] = to_float(widen_signed(q + 16 * half)) * splat_half(block[r]);
+      }
       use(half, w);
     }
   }
@@ -212,7 +200,7 @@ template <>
 struct Blocks<Q4_K> {
   static constexpr int64_t WEIGHTS = 256, BYTES = 144;
   template <int R, typename Use>
-  static ALWAYS_INLINE void decode(const uint8_t* const* block, Use use) {
+  static DRAFTWISE_ALWAYS_INLINE void decode(const uint8_t* const* block, Use use) {
     // per row: d * scale_j in 0..7, dmin * min_j in 8..15; kept in memory, so that each
     // table below is one multiply-add with broadcast operands
     alignas(64) float scaled[R][16];
@@ -253,7 +241,7 @@ struct Blocks<Q6_K> {
   static constexpr int64_t WEIGHTS = 256, BYTES = 210;
 
   // Half h (128 columns) of a block -> its 128 values q - 32 as int8, in column order.
-  static ALWAYS_INLINE void values(const uint8_t* block, int half, int8_t* out) {
+  static DRAFTWISE_ALWAYS_INLINE void values(const uint8_t* block, int half, int8_t* out) {
     const uint8_t* ql = block + 64 * half;
     const uint8_t* qh = block + 128 + 32 * half;
 #if defined(__AVX512BW__)
@@ -277,10 +265,10 @@ struct Blocks<Q6_K> {
   }
 
   template <int R, typename Use>
-  static ALWAYS_INLINE void decode(const uint8_t* const* block, Use use) {
+  static DRAFTWISE_ALWAYS_INLINE void decode(const uint8_t* const* block, Use use) {
     alignas(64) float scale[R][16];  // d * scale_g
     for (int r = 0; r < R; ++r) {
-      const vi16 sc = (widen(block[r] + 192) ^ 128) - 128;  // int8 -> int32
+      const vi16 sc = widen_signed(reinterpret_cast<const int8_t*>(block[r]) + 192);
       store16(scale[r], splat_half(block[r] + 208) * to_float(sc));
     }
 #pragma GCC unroll 2

@@ -515,9 +515,8 @@ void fused_product(const Activations& a, int64_t format, const uint8_t* w, int64
 }  // namespace
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, int64_t format, int64_t K) {
-  TORCH_CHECK(format == Q4_0 || format == Q4_1 || format == Q5_0 || format == Q5_1 || format == Q8_0 ||
-                  is_kquant(format),
-              "int8_linear: weight format ", format, " has no int8 path (float formats run blocked_linear)");
+  TORCH_CHECK(is_block_format(format), "int8_linear: weight format ", format,
+              " has no int8 path (float formats run blocked_linear)");
   check_weight(weight, format, K);
   const int64_t block = layout(format).weights;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == at::kFloat && x.is_contiguous(),

@@ -174,7 +174,7 @@ inline void fused_slice(const float* x, const uint8_t* const* rows, v16* partial
     const float* xb = x + b * B::WEIGHTS;
     for (int j = 0; j < NUM_W; ++j)
       for (int64_t line = 0; line < B::BYTES; line += 64) __builtin_prefetch(block[j] + ahead + line);
-    B::template decode<NUM_W>(block, [&](int g, const v16* w) ALWAYS_INLINE_LAMBDA {
+    B::template decode<NUM_W>(block, [&](int g, const v16* w) DRAFTWISE_INLINE_LAMBDA {
 #pragma GCC unroll 8
       for (int i = 0; i < NUM_X; ++i) {
         const v16 xs = load16(xb + i * K + 16 * g);
@@ -311,7 +311,7 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& weight, int64_t
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   if (is_block_format(format)) {
-    // a prefill in tiles of rows of x small enough to stay in L2 (~512 KB) while the weights stream past
+    // a prefill in tiles of rows of x small enough to stay in L2 (~1 MB) while the weights stream past
     const int64_t tile = M <= SKINNY_MAX_ROWS ? M : std::clamp<int64_t>(1024 * 1024 / (4 * K) / 8 * 8, 8, 128);
     for (int64_t m = 0; m < M; m += tile)
       fused(x.data_ptr<float>() + m * K, weight.data_ptr<uint8_t>(), format, y.data_ptr<float>() + m * N,
