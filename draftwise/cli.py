@@ -88,8 +88,9 @@ def _load_engine(args):
 
 
 def _add_serve(subparsers) -> None:
-    from draftwise.scheduler import DEFAULT_MAX_QUEUE, DEFAULT_PREFILL_CHUNK
-    from draftwise.server.app import DEFAULT_MAX_TOKENS
+    # Nothing from draftwise.server here: it needs the server extras (FastAPI), which every
+    # other command does without; `_serve` says how to install them.
+    from draftwise.scheduler import DEFAULT_MAX_QUEUE, DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_CHUNK
 
     cmd = subparsers.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching",
                                 description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health and "
@@ -257,8 +258,16 @@ def _add_train(subparsers) -> None:
     cmd.add_argument("--ttt-steps", type=int, default=train.ttt_steps,
                      help="draft depths trained (eagle: training-time test steps; medusa: number of heads)")
     cmd.add_argument("--learning-rate", type=float, default=train.learning_rate)
+    cmd.add_argument("--max-minutes", type=float, metavar="MINUTES",
+                     help="train for at most this long, data generation and held-out measures not counted: "
+                          "the learning-rate schedule is fitted to the steps that fit (default: all --epochs)")
     cmd.add_argument("--eval-every", type=float, default=train.eval_every_s, metavar="SECONDS",
                      help="measure acceptance on held-out questions this often")
+    cmd.add_argument("--batch-size", type=int, default=data.batch_size,
+                     help=f"conversations the target writes at once (default: {data.batch_size}; more on a GPU)")
+    cmd.add_argument("--device", default="cpu",
+                     help="where the target writes the data and the head trains: cpu (default) or cuda; "
+                          "held-out acceptance is measured on the CPU either way")
     cmd.add_argument("--seed", type=int, default=0)
     cmd.add_argument("--threads", type=int, help="CPU threads (default: PyTorch's, one per core)")
     cmd.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -272,10 +281,13 @@ def _train(args) -> int:
     if args.threads is not None:
         torch_threads(args.threads)
     data = DataSettings(num_questions=args.questions, prompts_file=args.prompts, num_heldout=args.heldout,
-                        max_response_tokens=args.max_response_tokens, draft_vocab_size=args.draft_vocab, seed=args.seed)
+                        max_response_tokens=args.max_response_tokens, draft_vocab_size=args.draft_vocab, seed=args.seed,
+                        batch_size=args.batch_size)
     settings = TrainSettings(epochs=args.epochs, ttt_steps=args.ttt_steps, learning_rate=args.learning_rate,
-                             eval_every_s=args.eval_every, seed=args.seed)
-    folder = train_head(args.target, args.out, data, settings, kind=args.kind, progress=not args.quiet)
+                             eval_every_s=args.eval_every, seed=args.seed,
+                             max_train_s=None if args.max_minutes is None else 60 * args.max_minutes)
+    folder = train_head(args.target, args.out, data, settings, kind=args.kind, progress=not args.quiet,
+                        device=args.device)
     print(f"head written to {folder}: use it with --drafter {args.kind} --head {folder}")
     return 0
 

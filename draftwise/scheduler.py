@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_PREFILL_CHUNK = 128  # prompt tokens a sequence feeds per step while others decode
 DEFAULT_MAX_QUEUE = 64
+DEFAULT_MAX_TOKENS = 512  # a request's output limit when it sets none (and the context has room)
 
 
 class QueueFull(DraftwiseError):

@@ -124,3 +124,22 @@ def test_bench_quick_runs_and_writes_its_reports(smollm2, capsys, tmp_path):
     summary = json.loads((tmp_path / "bench.json").read_text())
     assert summary["config"]["max_new_tokens"] == 32
     assert all(row["same_as_reference"] is not False for row in summary["rows"])
+
+
+def test_commands_other_than_serve_work_without_the_server_extras():
+    """FastAPI is an optional extra: without it every command but `serve` runs, and `serve` says
+    what to install (run in a child process whose `import fastapi` fails)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['fastapi'] = None\n"
+            "from draftwise.cli import main\n"
+            "sys.exit(main(sys.argv[1:]))\n")
+    for command in (["generate", "--help"], ["train", "--help"], ["bench", "--help"]):
+        run = subprocess.run([sys.executable, "-c", code, *command], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr
+        assert "usage: draftwise" in run.stdout
+    run = subprocess.run([sys.executable, "-c", code, "serve", "--port", "0"], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 2
+    assert "server extras" in run.stderr and "Traceback" not in run.stderr

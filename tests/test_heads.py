@@ -20,8 +20,10 @@ from draftwise.heads.medusa import load_medusa
 from tests.conftest import PROMPTS
 
 PARAMS = SamplingParams(max_new_tokens=24)
-# Measured with the shipped heads on these prompts (24 tokens each): 1.45 tokens per forward (tree), 1.22 (chain).
-MEDUSA_MIN_TOKENS_PER_FORWARD = {"tree": 1.2, "chain": 1.1}
+# Measured with the shipped heads on these prompts (24 tokens each, 16-node drafts), tokens per
+# forward: eagle 2.08 (tree) and 1.83 (chain), medusa 1.53 and 1.29. The floors leave ~10%.
+EAGLE_MIN_TOKENS_PER_FORWARD = {"tree": 1.85, "chain": 1.6}
+MEDUSA_MIN_TOKENS_PER_FORWARD = {"tree": 1.35, "chain": 1.15}
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +50,8 @@ def eagle_head(smollm2):
 def test_eagle_speculation_equals_plain_greedy(smollm2, plain_outputs, eagle_head, shape):
     # top_k=1: one child per node, a chain drawn through the same tree path.
     drafter = EagleDrafter(eagle_head, smollm2.model, top_k=1 if shape == "chain" else 8, depth=6)
-    assert tokens_per_forward_if_equal(Engine(smollm2, drafter, num_draft_tokens=16), plain_outputs) > 1.3
+    engine = Engine(smollm2, drafter, num_draft_tokens=16)
+    assert tokens_per_forward_if_equal(engine, plain_outputs) > EAGLE_MIN_TOKENS_PER_FORWARD[shape]
 
 
 @pytest.fixture(scope="module")

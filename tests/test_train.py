@@ -98,3 +98,48 @@ def test_losses_map_labels_through_the_vocabulary_the_head_has_when_scoring(smol
     head.draft_to_target.copy_(torch.arange(40000, 40016))
     _, counts = loss_fn(example)
     assert counts[0][1] == 7  # rows 0..6 score labels 1..7, all in the vocabulary (an identity map counts none)
+
+
+def test_a_time_budget_fits_the_schedule_to_the_steps_that_fit(monkeypatch):
+    """--max-minutes: the schedule is fitted to the measured time a step (again once the slow
+    first steps are behind), training stops at the budget and the learning rate has decayed to
+    its floor. A fake clock that each sequence advances keeps this independent of the machine."""
+    import draftwise.train.trainer as trainer
+    from draftwise.train.data import Example
+
+    clock = [0.0]
+    monkeypatch.setattr(trainer.time, "perf_counter", lambda: clock[0])
+    weight = torch.nn.Parameter(torch.ones(3))
+    head = torch.nn.Module()
+    head.weight = weight
+    calls = [0]
+
+    def loss_fn(example):
+        calls[0] += 1
+        clock[0] += 0.05 if calls[0] <= 5 else 0.01  # the warmup's steps are slow, as on a GPU
+        return (weight ** 2).sum(), []
+
+    examples = [Example(torch.zeros(2, dtype=torch.long), torch.zeros(2, 1), torch.zeros(2, dtype=torch.long), 1)] * 8
+    settings = trainer.TrainSettings(epochs=1000, learning_rate=1e-2, warmup_steps=5, sequences_per_step=1,
+                                     checkpoint_every_s=1e9, max_train_s=2.0)
+    state = trainer.train(head, loss_fn, examples, settings, trainer.TrainState(), lambda *_: None, None,
+                          progress=False)
+    # 5 slow steps take 0.25 s; the other 1.75 s fit 175 steps of 0.01 s (a fit from the first
+    # steps alone would have stopped at 40 steps).
+    assert abs(state.step - 180) <= 2 and state.total_steps == state.step
+    assert abs(state.elapsed_s - 2.0) <= 0.03
+    assert state.fits == 2
+    assert trainer.TrainSettings(max_train_s=None).max_train_s is None
+    with pytest.raises(ConfigError, match="positive"):
+        trainer.TrainSettings(max_train_s=0)
+
+
+def test_training_on_a_missing_gpu_is_refused_clearly():
+    from draftwise.train.pipeline import training_device
+
+    assert training_device("cpu").type == "cpu"
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="no CUDA GPU"):
+            training_device("cuda")
+    with pytest.raises(ConfigError, match="not a device"):
+        training_device("gpu0")

@@ -77,7 +77,7 @@ class RMSNorm(nn.Module):
 def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotary embedding of x [R, heads, head_dim] at positions [R] (Llama's rotate-half form)."""
     head_dim = x.shape[-1]
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=x.device) / head_dim)
     angles = positions.float()[:, None] * inv_freq[None, :]
     angles = torch.cat((angles, angles), dim=-1)[:, None]  # [R, 1, head_dim]
     first, second = x.chunk(2, dim=-1)

@@ -26,13 +26,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from draftwise.engine import Engine
 from draftwise.errors import DraftwiseError
-from draftwise.scheduler import Event, QueueFull, Request, Scheduler
+from draftwise.scheduler import DEFAULT_MAX_TOKENS, Event, QueueFull, Request, Scheduler
 from draftwise.server.metrics import ServerMetrics
 from draftwise.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, error_body, usage
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_TOKENS = 512  # when a request sets no limit (and the context has room)
 RETRY_AFTER_S = 1
 
 

@@ -57,7 +57,7 @@ def user_turn_prefix(tokenizer) -> tuple[str, str]:
 
 
 def _generate(model, tokenizer, texts: list[str], max_new_tokens: int, sample: bool) -> list[list[int]]:
-    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
     with torch.inference_mode():
         out = model.generate(**batch, do_sample=sample, temperature=1.0 if sample else None, top_p=None, top_k=None,
                              max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)
@@ -156,15 +156,16 @@ def record_features(model, conversations: list[Conversation], layers: tuple[int,
             ids[row, : len(sequence)] = torch.tensor(sequence)
             attention[row, : len(sequence)] = 1
         with torch.inference_mode():
-            output = model(input_ids=ids, attention_mask=attention, output_hidden_states=True)
+            output = model(input_ids=ids.to(model.device), attention_mask=attention.to(model.device),
+                           output_hidden_states=True)
         # transformers lists the embeddings, then each layer's output; the last one is normed,
         # which CausalLM.forward calls layer num_layers: the un-normed last layer is not available.
         if num_layers - 1 in layers:
             raise ConfigError(f"layer {num_layers - 1} (the last) cannot be recorded through transformers; use a lower one")
         states = [output.hidden_states[layer + 1] if layer < num_layers else output.hidden_states[num_layers]
                   for layer in layers]
-        features = torch.cat(states, dim=-1).to(torch.bfloat16)
-        labels = output.logits.argmax(dim=-1)
+        features = torch.cat(states, dim=-1).to(torch.bfloat16).cpu()
+        labels = output.logits.argmax(dim=-1).cpu()
         for row, (conversation, sequence) in enumerate(zip(batch, sequences)):
             count = len(sequence)
             examples.append(Example(torch.tensor(sequence), features[row, :count].clone(), labels[row, :count].clone(),

@@ -42,6 +42,8 @@ class DataSettings:
             raise ConfigError(f"num_heldout={self.num_heldout}: keep at least 1 question apart to measure acceptance.")
         if self.num_questions < self.num_heldout + 8 and self.prompts_file is None:
             raise ConfigError(f"num_questions={self.num_questions} is too few: use at least {self.num_heldout + 8}.")
+        if self.batch_size < 1:
+            raise ConfigError(f"batch_size={self.batch_size} must be at least 1.")
         if self.draft_vocab_size < 16:
             raise ConfigError(f"draft_vocab_size={self.draft_vocab_size} is too small: use 16 or more (e.g. 8192).")
 
@@ -55,7 +57,22 @@ def _bench_texts() -> set[str]:
     return {m.get("content", "").strip() for p in load_suite(folder) for m in p.messages}
 
 
-def make_data(target, data_settings: DataSettings, layers: tuple[int, ...], progress: bool) -> dict:
+def training_device(name: str) -> torch.device:
+    """The device data generation and training run on: "cpu" (default), or "cuda" where PyTorch sees one."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"--device {name!r} is not a device: use cpu or cuda (cuda:N).") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {name}: this PyTorch sees no CUDA GPU (torch {torch.__version__}); "
+                          "train on the CPU (--device cpu) or install a CUDA build of PyTorch.")
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {name!r}: training runs on cpu or cuda.")
+    return device
+
+
+def make_data(target, data_settings: DataSettings, layers: tuple[int, ...], progress: bool,
+              device: torch.device = torch.device("cpu")) -> dict:
     """Questions, the target's answers and its hidden states; timings in seconds."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -66,7 +83,7 @@ def make_data(target, data_settings: DataSettings, layers: tuple[int, ...], prog
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     # Generation in bfloat16 (about 2x faster here); the labels come from the float32 pass below.
-    generator_model = AutoModelForCausalLM.from_pretrained(target.folder, dtype=torch.bfloat16).eval()
+    generator_model = AutoModelForCausalLM.from_pretrained(target.folder, dtype=torch.bfloat16).to(device).eval()
     if data_settings.prompts_file is not None:
         chats = datagen.read_prompts(data_settings.prompts_file)
     else:
@@ -86,11 +103,11 @@ def make_data(target, data_settings: DataSettings, layers: tuple[int, ...], prog
     timings["answers_s"] = time.perf_counter() - tic
     del generator_model
     tic = time.perf_counter()
-    scoring_model = AutoModelForCausalLM.from_pretrained(target.folder, dtype=torch.float32).eval()
+    scoring_model = AutoModelForCausalLM.from_pretrained(target.folder, dtype=torch.float32).to(device).eval()
     examples = datagen.record_features(scoring_model, conversations, layers, batch_size=16, progress=progress)
     timings["hidden_states_s"] = time.perf_counter() - tic
-    embed = scoring_model.get_input_embeddings().weight.detach().float().clone()  # [vocab, hidden]
-    lm_head = scoring_model.get_output_embeddings().weight.detach().float()
+    embed = scoring_model.get_input_embeddings().weight.detach().float().cpu().clone()  # [vocab, hidden]
+    lm_head = scoring_model.get_output_embeddings().weight.detach().float().cpu()
     return {"examples": examples, "layers": layers, "heldout": heldout, "embed": embed, "lm_head": lm_head,
             "timings": timings,
             "num_bench_prompts_dropped": dropped,
@@ -114,7 +131,8 @@ def acceptance_on(target, drafter_factory, chats: list, max_new_tokens: int = 64
     return {"mean_accepted_length": round(committed / max(1, forwards), 3)}
 
 
-def _features_for(bundle: dict, target, layers: tuple[int, ...], progress: bool) -> list[datagen.Example]:
+def _features_for(bundle: dict, target, layers: tuple[int, ...], progress: bool,
+                  device: torch.device) -> list[datagen.Example]:
     """The bundle's conversations with hidden states at `layers`: recorded again if it holds others."""
     from transformers import AutoModelForCausalLM
 
@@ -127,18 +145,25 @@ def _features_for(bundle: dict, target, layers: tuple[int, ...], progress: bool)
         return [replace(e, features=e.features[:, columns]) for e in bundle["examples"]]
     conversations = [datagen.Conversation(e.tokens[: e.num_prompt_tokens].tolist(), e.tokens[e.num_prompt_tokens:].tolist())
                      for e in bundle["examples"]]
-    model = AutoModelForCausalLM.from_pretrained(target.folder, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(target.folder, dtype=torch.float32).to(device).eval()
     return datagen.record_features(model, conversations, layers, batch_size=16, progress=progress)
 
 
 def train_head(target_name: str, output: Path, data_settings: DataSettings = DataSettings(),
-               settings: TrainSettings = TrainSettings(), kind: str = "eagle", progress: bool = True) -> Path:
+               settings: TrainSettings = TrainSettings(), kind: str = "eagle", progress: bool = True,
+               device: str = "cpu") -> Path:
+    """Make (or reuse) the data, train a head of this kind and write it to output/kind. On a CUDA
+    device the target's generation, its hidden states and the head's training run there; the
+    held-out acceptance is measured on the CPU, through draftwise's own decoder, as users run it."""
+    import copy
+
     from draftwise.drafters.eagle import EagleDrafter
     from draftwise.drafters.medusa import MedusaDrafter
     from draftwise.models import loading
 
     if kind not in KINDS:
         raise ConfigError(f"kind={kind!r} is not a head kind: use one of {', '.join(KINDS)}.")
+    train_on = training_device(device)
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
     target = loading.load(target_name, dtype="auto", progress=progress)
@@ -157,9 +182,9 @@ def train_head(target_name: str, output: Path, data_settings: DataSettings = Dat
         if progress:
             print(f"reusing {len(bundle['examples'])} conversations from {data_path}")
     else:
-        bundle = make_data(target, data_settings, layers, progress)
+        bundle = make_data(target, data_settings, layers, progress, train_on)
         torch.save(bundle, data_path)
-    examples, embed = _features_for(bundle, target, layers, progress), bundle["embed"]
+    examples, embed = _features_for(bundle, target, layers, progress, train_on), bundle["embed"].to(train_on)
     vocabulary = draft_vocabulary(examples, min(vocab_size, embed.shape[0]), always=list(target.model.info.eos_token_ids))
     torch.manual_seed(settings.seed)
     if kind == "eagle":
@@ -172,13 +197,15 @@ def train_head(target_name: str, output: Path, data_settings: DataSettings = Dat
     with torch.no_grad():
         head.lm_head.weight.copy_(bundle["lm_head"][vocabulary])  # the target's own LM head rows ...
     head.lm_head.weight.requires_grad_(False)  # ... kept as they are (as EAGLE does): 15% faster steps here
+    head.to(train_on)
+    on_cpu = lambda: copy.deepcopy(head).cpu()  # noqa: E731  (what the drafters run, for the held-out measure)
     if kind == "eagle":
         loss_fn = eagle_loss(head, embed, settings.ttt_steps)
         # A generous tree (8 children x 6 deep) measures what the head knows, not what a step can afford.
-        drafter_factory = lambda: EagleDrafter(head, target.model, top_k=8, depth=6)  # noqa: E731
+        drafter_factory = lambda: EagleDrafter(on_cpu(), target.model, top_k=8, depth=6)  # noqa: E731
     else:
         loss_fn = medusa_loss(head, embed.shape[0])
-        drafter_factory = lambda: MedusaDrafter(head, target.model)  # noqa: E731
+        drafter_factory = lambda: MedusaDrafter(on_cpu(), target.model)  # noqa: E731
     checkpoint = output / f"checkpoint-{kind}.pt"
     state = load_checkpoint(checkpoint, head) if checkpoint.is_file() else TrainState()
 
@@ -191,7 +218,16 @@ def train_head(target_name: str, output: Path, data_settings: DataSettings = Dat
         "conversations": len(examples), "tokens": bundle["num_tokens"], "answer_tokens": bundle["num_answer_tokens"],
         "data_timings_s": {k: round(v, 1) for k, v in bundle["timings"].items()},
         "train_s": round(state.elapsed_s, 1), "steps": state.step, "epochs": settings.epochs,
+        "epochs_trained": round(state.step * settings.sequences_per_step / len(examples), 2),
+        "max_train_s": settings.max_train_s,
         "ttt_steps": settings.ttt_steps, "learning_rate": settings.learning_rate, "curve": state.curve,
-        "bench_prompts_dropped": bundle["num_bench_prompts_dropped"],
+        "bench_prompts_dropped": bundle["num_bench_prompts_dropped"], "device": device_name(train_on),
     })
-    return head.save(output / kind)
+    return head.cpu().save(output / kind)
+
+
+def device_name(device: torch.device) -> str:
+    """What the head's record says it was trained on."""
+    if device.type == "cuda":
+        return f"cuda ({torch.cuda.get_device_name(device)})"
+    return "cpu"

@@ -28,6 +28,18 @@ class TrainSettings:
     eval_every_s: float = 300.0
     checkpoint_every_s: float = 120.0
     seed: int = 0
+    # Train for at most this long (evaluations not counted): after the warmup the schedule is
+    # shortened to the steps that fit, at the measured time a step, so the learning rate still
+    # decays to its end. None: the full number of epochs.
+    max_train_s: float | None = None
+
+    def __post_init__(self) -> None:
+        from draftwise.errors import ConfigError
+
+        if self.max_train_s is not None and self.max_train_s <= 0:
+            raise ConfigError(f"max_train_s={self.max_train_s}: a time budget must be positive (e.g. --max-minutes 30).")
+        if self.epochs <= 0:
+            raise ConfigError(f"epochs={self.epochs} must be positive.")
 
 
 @dataclass(slots=True)
@@ -36,6 +48,10 @@ class TrainState:
     examples_seen: int = 0
     elapsed_s: float = 0.0  # training time so far, over resumed runs
     curve: list[dict] = field(default_factory=list)  # {"train_s", "step", "mean_accepted_length", ...}
+    total_steps: int = 0  # the schedule's length once fitted to max_train_s; 0 = not fitted
+    fits: int = 0  # how often it was fitted: after the warmup, then once more from the steps after it
+    fit_step: int = 0  # the step and training time of the last fit
+    fit_s: float = 0.0
     optimizer: dict | None = None  # AdamW's state when resumed from a checkpoint
 
 
@@ -57,7 +73,9 @@ def train(head: torch.nn.Module, loss_fn: LossFunction, examples: list[Example],
           progress: bool = True) -> TrainState:
     """Train in place from `state` (a fresh one, or a checkpoint's); calls save(state, optimizer
     state) every checkpoint_every_s and at the end, evaluate() every eval_every_s."""
-    total_steps = max(1, math.ceil(settings.epochs * len(examples) / settings.sequences_per_step))
+    epoch_steps = max(1, math.ceil(settings.epochs * len(examples) / settings.sequences_per_step))
+    # A rerun with more epochs trains on; a time budget's fitted length stays with its checkpoint.
+    total_steps = epoch_steps if settings.max_train_s is None else state.total_steps or epoch_steps
     optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=settings.learning_rate,
                                   betas=(0.9, 0.95), weight_decay=0.0)
     if state.optimizer:
@@ -92,6 +110,10 @@ def train(head: torch.nn.Module, loss_fn: LossFunction, examples: list[Example],
         state.step += 1
         state.elapsed_s = time.perf_counter() - started
         bar.update(1)
+        if needs_fit(state, settings):
+            state.total_steps = total_steps = fitted_steps(state, settings, epoch_steps)
+            bar.total = total_steps
+            bar.refresh()
         if state.step % 10 == 0:
             bar.set_postfix(acc=" ".join(f"{a / b:.2f}" if b else "-" for a, b in step_counts))
             step_counts = [(0, 0)] * settings.ttt_steps
@@ -114,11 +136,30 @@ def train(head: torch.nn.Module, loss_fn: LossFunction, examples: list[Example],
     return state
 
 
+def needs_fit(state: TrainState, settings: TrainSettings) -> bool:
+    """Fit after the warmup, then once more when another 10% of the budget has passed: the first
+    steps are slow (allocations, caches, a GPU's warm-up), the later ones give the true pace."""
+    if settings.max_train_s is None or state.step < settings.warmup_steps:
+        return False
+    return state.fits == 0 or (state.fits == 1 and state.elapsed_s >= state.fit_s + 0.1 * settings.max_train_s)
+
+
+def fitted_steps(state: TrainState, settings: TrainSettings, epoch_steps: int) -> int:
+    """The schedule's length under settings.max_train_s, at the pace of the steps since the last
+    fit (of all steps, at the first); records this fit in state."""
+    per_step = (state.elapsed_s - state.fit_s) / max(1, state.step - state.fit_step)
+    remaining = max(0.0, settings.max_train_s - state.elapsed_s)
+    state.fits, state.fit_step, state.fit_s = state.fits + 1, state.step, state.elapsed_s
+    return max(state.step, min(epoch_steps, state.step + int(remaining / max(per_step, 1e-9))))
+
+
 def save_checkpoint(path: Path, head: torch.nn.Module, state: TrainState, optimizer_state: dict) -> None:
     """Atomically: a crash while writing never loses the previous checkpoint."""
     temporary = path.with_suffix(".tmp")
     torch.save({"head": head.state_dict(), "state": {"step": state.step, "examples_seen": state.examples_seen,
-                                                     "elapsed_s": state.elapsed_s, "curve": state.curve},
+                                                     "elapsed_s": state.elapsed_s, "curve": state.curve,
+                                                     "total_steps": state.total_steps, "fits": state.fits,
+                                                     "fit_step": state.fit_step, "fit_s": state.fit_s},
                 "optimizer": optimizer_state}, temporary)
     temporary.replace(path)
 
