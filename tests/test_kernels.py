@@ -155,6 +155,22 @@ def test_int8_rows_are_bit_identical_whatever_rows_are_beside_them(kernels, form
         assert torch.equal(together, alone), f"rows differ when computed {group} at a time"
 
 
+@pytest.mark.parametrize("format", [WeightFormat.Q4_0, WeightFormat.Q4_1, WeightFormat.Q5_0, WeightFormat.Q5_1,
+                                    WeightFormat.Q8_0], ids=lambda f: f.name)
+@pytest.mark.parametrize("num_columns", [96, 576])  # 96: a last 64-column step with one block
+def test_int8_rows_on_32_weight_blocks_are_the_same_bits_in_registers_and_unpacked(kernels, format, num_columns):
+    """Up to 16 rows of x meet each weight row decoded in registers; more go through rows unpacked
+    in memory. Both are the same arithmetic: every row the same bits either way."""
+    data, _ = synthetic_blocks(format, num_rows=37, num_columns=num_columns)
+    torch.manual_seed(2)
+    x = torch.randn(34, num_columns)
+    unpacked = kernels.int8_linear(x, data, int(format), num_columns)  # 34 rows: the unpacked path
+    for group in (1, 2, 7, 8, 9, 16):
+        in_registers = torch.cat([kernels.int8_linear(x[i:i + group], data, int(format), num_columns)
+                                  for i in range(0, 34, group)])
+        assert torch.equal(in_registers, unpacked), f"{group} rows at a time differ from the unpacked rows"
+
+
 def test_int8_activations_need_block_weights(kernels):
     from draftwise.errors import ConfigError
     from draftwise.models.linear import use_activations

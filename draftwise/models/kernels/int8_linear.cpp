@@ -51,6 +51,8 @@ namespace draftwise {
 namespace {
 
 constexpr int64_t CHUNK = 64;  // columns per integer step: 16 int32 lanes x 4 bytes
+constexpr int64_t FUSED_MAX_ROWS = 16;  // at most this many rows of x: weights decoded in registers
+constexpr int FUSED_ROWS_OF_X_BLOCK32 = 8;  // 32-weight blocks: 8 accumulators, one row of W at a time
 constexpr int64_t SUPER = 256;  // columns of a K-quant super-block
 
 inline bool is_kquant(int64_t format) { return format == Q4_K || format == Q6_K; }
@@ -455,6 +457,121 @@ constexpr bool FUSED = true;
 constexpr bool FUSED = false;
 #endif
 
+#if defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+// One 32-weight block -> its 32 unsigned values in column order, as unpack_block32_row writes
+// them (Q8_0: v + 128; Q4_x: the nibbles; Q5_x: the nibbles plus the fifth bit as 16).
+template <int64_t FORMAT>
+inline __m256i block32_values(const uint8_t* block) {
+  constexpr bool with_min = FORMAT == Q4_1 || FORMAT == Q5_1, five_bits = FORMAT == Q5_0 || FORMAT == Q5_1;
+  if constexpr (FORMAT == Q8_0) {
+    return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2)), _mm256_set1_epi8(-128));
+  } else {
+    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (with_min ? 4 : 2) + (five_bits ? 4 : 0)));
+    const __m128i low_nibble = _mm_set1_epi8(15);
+    __m256i u = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(qs, low_nibble)),
+                                        _mm_and_si128(_mm_srli_epi16(qs, 4), low_nibble), 1);
+    if constexpr (five_bits) {
+      uint32_t high;
+      std::memcpy(&high, block + (with_min ? 4 : 2), 4);
+      u = _mm256_or_si256(u, _mm256_maskz_mov_epi8(_cvtu32_mask32(high), _mm256_set1_epi8(16)));
+    }
+    return u;
+  }
+}
+
+// The block's coefficient, as unpack_block32_row computes it: w = d * u + coef.
+template <int64_t FORMAT>
+inline float block32_coef(const uint8_t* block, float d) {
+  if constexpr (FORMAT == Q8_0) return -128.0f * d;
+  if constexpr (FORMAT == Q4_1 || FORMAT == Q5_1) return half_to_float(block + 2);
+  return -float(FORMAT == Q5_0 ? 16 : 8) * d;
+}
+
+// The product of one weight row with a few rows of x (a decode or verify step), each pair of
+// blocks decoded in registers as it is read (64 columns: one VNNI instruction per row of x),
+// instead of unpacking the row into memory first. Integer for integer and float for float the
+// arithmetic of block32_micro (the same lanes, the same scale products, the same
+// coefficient_sum), so the two agree bit for bit; the int8 row-invariance tests check it.
+// coef: scratch for the row's Kp / 16 coefficients.
+template <int64_t FORMAT, int NUM_X>
+inline void block32_decode(const int8_t* q, const float* x_scale, const float* x_sum, const uint8_t* row, float* coef,
+                           float* y, int64_t K, int64_t Kp, int64_t N) {
+  constexpr int64_t bytes = FORMAT == Q8_0 ? 34 : FORMAT == Q4_0 ? 18 : FORMAT == Q4_1 ? 20 : FORMAT == Q5_0 ? 22 : 24;
+  const int64_t blocks = K / 32;
+  v16 acc[NUM_X] = {};
+  for (int64_t k = 0, b = 0; k < Kp; k += CHUNK, b += 2) {
+    const uint8_t* first = row + b * bytes;
+    const float d0 = half_to_float(first);
+    const float c0 = block32_coef<FORMAT>(first, d0);
+    coef[k / 16] = coef[k / 16 + 1] = c0;
+    __m512i u = _mm512_castsi256_si512(block32_values<FORMAT>(first));
+    __m512 w_scale;
+    if (b + 1 < blocks) {
+      const uint8_t* second = first + bytes;
+      const float d1 = half_to_float(second);
+      coef[k / 16 + 2] = coef[k / 16 + 3] = block32_coef<FORMAT>(second, d1);
+      u = _mm512_inserti64x4(u, block32_values<FORMAT>(second), 1);
+      w_scale = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d0), _mm512_set1_ps(d1));
+    } else {  // K = 32 (mod 64): the padding's values, scales and coefficients are zeros
+      coef[k / 16 + 2] = coef[k / 16 + 3] = 0.0f;
+      u = _mm512_inserti64x4(u, _mm256_setzero_si256(), 1);
+      w_scale = _mm512_maskz_mov_ps(0x00FF, _mm512_set1_ps(d0));
+    }
+    v16 scale;
+    std::memcpy(&scale, &w_scale, sizeof scale);
+#pragma GCC unroll 16
+    for (int i = 0; i < NUM_X; ++i) {
+      const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512(q + i * Kp + k));
+      vi16 lanes;
+      std::memcpy(&lanes, &p, sizeof lanes);
+      acc[i] += __builtin_convertvector(lanes, v16) * (scale * load16(x_scale + i * (Kp / 4) + k / 4));
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < NUM_X; ++i)
+    y[i * N] = horizontal_sum(acc[i]) + coefficient_sum(coef, x_sum + i * (Kp / 16), Kp / 16);
+}
+
+template <int64_t FORMAT, int NUM_X = FUSED_ROWS_OF_X_BLOCK32>
+void block32_rows(int64_t rows, const Activations& a, int64_t m, const uint8_t* row, float* coef, float* y, int64_t K,
+                  int64_t Kp, int64_t N) {
+  if constexpr (NUM_X > 1) {
+    if (rows < NUM_X) return block32_rows<FORMAT, NUM_X - 1>(rows, a, m, row, coef, y, K, Kp, N);
+  }
+  block32_decode<FORMAT, NUM_X>(a.q.data() + m * Kp, a.scale.data() + m * (Kp / 4), a.sum.data() + m * (Kp / 16), row,
+                                coef, y, K, Kp, N);
+}
+
+template <int64_t FORMAT>
+void block32_product(const Activations& a, const uint8_t* w, int64_t row_bytes, float* out, int64_t M, int64_t K,
+                     int64_t Kp, int64_t N) {
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    float* coef = thread_scratch<float>(Kp / 16);
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t m = 0; m < M; m += FUSED_ROWS_OF_X_BLOCK32)
+        block32_rows<FORMAT>(std::min<int64_t>(FUSED_ROWS_OF_X_BLOCK32, M - m), a, m, w + n * row_bytes, coef,
+                             out + m * N + n, K, Kp, N);
+  });
+}
+
+// A decode or verify step on 32-weight blocks; false where this build has no such kernel.
+bool block32_fused(const Activations& a, int64_t format, const uint8_t* w, int64_t row_bytes, float* out, int64_t M,
+                   int64_t K, int64_t Kp, int64_t N) {
+  switch (format) {
+    case Q4_0: block32_product<Q4_0>(a, w, row_bytes, out, M, K, Kp, N); return true;
+    case Q4_1: block32_product<Q4_1>(a, w, row_bytes, out, M, K, Kp, N); return true;
+    case Q5_0: block32_product<Q5_0>(a, w, row_bytes, out, M, K, Kp, N); return true;
+    case Q5_1: block32_product<Q5_1>(a, w, row_bytes, out, M, K, Kp, N); return true;
+    case Q8_0: block32_product<Q8_0>(a, w, row_bytes, out, M, K, Kp, N); return true;
+    default: return false;
+  }
+}
+#else
+bool block32_fused(const Activations&, int64_t, const uint8_t*, int64_t, float*, int64_t, int64_t, int64_t, int64_t) {
+  return false;
+}
+#endif
+
 // ---- both -----------------------------------------------------------------------------------
 
 constexpr int ROWS_OF_X = 4, ROWS_OF_W = 2;  // 8 int + 8 float accumulators in registers
@@ -474,7 +591,6 @@ void every_x(int64_t m0, int64_t m1, Run run) {
 
 // A decode or verify step on K-quants: one weight row at a time, unpacked in registers and run
 // against up to 9 rows of x (a step of 8 draft tokens plus the last one) while it is there.
-constexpr int64_t FUSED_MAX_ROWS = 16;
 constexpr int FUSED_ROWS_OF_X = 9;  // 9 x 2 accumulators in registers
 
 template <int NUM_X = FUSED_ROWS_OF_X>
@@ -528,6 +644,10 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, int64_t fo
 
   if (FUSED && is_kquant(format) && M <= FUSED_MAX_ROWS) {
     fused_product(a, format, weight.data_ptr<uint8_t>(), weight.size(1), y.data_ptr<float>(), M, K, N);
+    return y;
+  }
+  if (!is_kquant(format) && M <= FUSED_MAX_ROWS &&
+      block32_fused(a, format, weight.data_ptr<uint8_t>(), weight.size(1), y.data_ptr<float>(), M, K, Kp, N)) {
     return y;
   }
   // Each work item unpacks a few weight rows and runs a tile of x's rows against them; a tile
