@@ -74,14 +74,18 @@ class RMSNorm(nn.Module):
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
 
 
-def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding of x [R, heads, head_dim] at positions [R] (Llama's rotate-half form)."""
-    head_dim = x.shape[-1]
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=x.device) / head_dim)
+def rotary_angles(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [R, 1, head_dim] of the rotary angles at positions [R] (Llama's rotate-half form)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
     angles = positions.float()[:, None] * inv_freq[None, :]
-    angles = torch.cat((angles, angles), dim=-1)[:, None]  # [R, 1, head_dim]
+    angles = torch.cat((angles, angles), dim=-1)[:, None]
+    return angles.cos(), angles.sin()
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x [R, heads, head_dim] given rotary_angles' cos and sin."""
     first, second = x.chunk(2, dim=-1)
-    return x * angles.cos() + torch.cat((-second, first), dim=-1) * angles.sin()
+    return x * cos + torch.cat((-second, first), dim=-1) * sin
 
 
 class EagleHead(nn.Module):
@@ -120,8 +124,9 @@ class EagleHead(nn.Module):
         c = self.config
         x = self.input_proj(torch.cat((self.embed_norm(token_embeds), self.feature_norm(features)), dim=-1))
         rows = x.shape[0]
-        q = rotate(self.q_proj(x).view(rows, c.num_heads, c.head_dim), positions, c.rope_theta)
-        k = rotate(self.k_proj(x).view(rows, c.num_kv_heads, c.head_dim), positions, c.rope_theta)
+        cos, sin = rotary_angles(positions, c.head_dim, c.rope_theta)  # once for q and k
+        q = rotate(self.q_proj(x).view(rows, c.num_heads, c.head_dim), cos, sin)
+        k = rotate(self.k_proj(x).view(rows, c.num_kv_heads, c.head_dim), cos, sin)
         v = self.v_proj(x).view(rows, c.num_kv_heads, c.head_dim)
         return x, q, k, v
 
