@@ -113,9 +113,9 @@ class EagleDrafter:
             logprobs = torch.log_softmax(head.logits(outputs), dim=-1)  # [F, draft vocab]
             best = logprobs.topk(top_k, dim=-1)
             children = []
-            for row, parent in enumerate(frontier):
+            for parent, values, indices in zip(frontier, best.values.tolist(), best.indices.tolist()):
                 base = scores[parent] if parent >= 0 else 0.0
-                for value, token in zip(best.values[row].tolist(), best.indices[row].tolist()):
+                for value, token in zip(values, indices):
                     tokens.append(token)
                     parents.append(parent)
                     scores.append(base + value)
