@@ -41,7 +41,7 @@ def main(activations: str, head_folder: str) -> None:
     params = SamplingParams(max_new_tokens=96)
     plain, _, _ = run(Engine(target), prompts, params)
     print(f"{activations} plain {plain:.1f} tok/s")
-    for top_k, depth in [(8, 6), (4, 4), (3, 3)]:
+    for top_k, depth in [(8, 6), (4, 4), (3, 3), (2, 3)]:
         engine = Engine(target, EagleDrafter(head, target.model, top_k=top_k, depth=depth), 16, DraftLengthPolicy())
         speed, per_forward, draft_ms = run(engine, prompts, params)
         print(f"{activations} eagle top_k={top_k} depth={depth}: {speed:.1f} tok/s ({speed / plain:.2f}x), "
