@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from draftwise.errors import ConfigError
 from draftwise.models import loading
 from draftwise.models.linear import BlockLinear, use_activations
 
@@ -65,7 +66,7 @@ def main() -> None:
     for activations in args.activations:
         try:
             use_activations(target.model, activations)
-        except Exception as error:  # int8 on float weights: say so and go on
+        except ConfigError as error:  # int8 on float weights: say so and go on
             print(f"| (all) | - | {activations} | {error} |")
             continue
         for name, linear in named.items():

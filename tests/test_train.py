@@ -102,8 +102,8 @@ def test_losses_map_labels_through_the_vocabulary_the_head_has_when_scoring(smol
 
 def test_a_time_budget_fits_the_schedule_to_the_steps_that_fit(monkeypatch):
     """--max-minutes: the schedule is fitted to the measured time a step (again once the slow
-    first steps are behind), training stops at the budget and the learning rate has decayed to
-    its floor. A fake clock that each sequence advances keeps this independent of the machine."""
+    first steps are behind) and training stops at the budget. A fake clock that each sequence
+    advances keeps this independent of the machine."""
     import draftwise.train.trainer as trainer
     from draftwise.train.data import Example
 

@@ -182,16 +182,23 @@ T* thread_scratch(int64_t count) {
 
 // ---- 32-weight blocks -----------------------------------------------------------------------
 
+// A 32-weight block's coefficient: w = d * u + coef, u its unsigned values (d its scale).
+inline float block32_coef(int64_t format, const uint8_t* block, float d) {
+  if (format == Q8_0) return -128.0f * d;  // u = v + 128
+  if (format == Q4_1 || format == Q5_1) return half_to_float(block + 2);  // the block's min
+  return -float(format == Q5_0 ? 16 : 8) * d;
+}
+
 // One weight row of K columns -> u [K], scale [K/4], coef [K/16] (see the top of the file).
 void unpack_block32_row(int64_t format, const uint8_t* row, int64_t K, uint8_t* u, float* scale, float* coef) {
   const bool with_min = format == Q4_1 || format == Q5_1, five_bits = format == Q5_0 || format == Q5_1;
-  const int64_t bytes = format == Q8_0 ? 34 : (with_min ? 20 : 18) + (five_bits ? 4 : 0);
+  const int64_t bytes = layout(format).bytes;
   for (int64_t b = 0; b < K / 32; ++b, row += bytes, u += 32, scale += 8, coef += 2) {
     const float d = half_to_float(row);
     fill(scale, 8, d);
+    fill(coef, 2, block32_coef(format, row, d));
     if (format == Q8_0) {
       for (int i = 0; i < 32; ++i) u[i] = row[2 + i] ^ 128;  // int8 v -> v + 128
-      fill(coef, 2, -128.0f * d);
       continue;
     }
     nibbles(row + (with_min ? 4 : 2) + (five_bits ? 4 : 0), u, u + 16);
@@ -200,7 +207,6 @@ void unpack_block32_row(int64_t format, const uint8_t* row, int64_t K, uint8_t* 
       std::memcpy(&high, row + (with_min ? 4 : 2), 4);
       for (int i = 0; i < 32; ++i) u[i] |= ((high >> i) & 1) << 4;
     }
-    fill(coef, 2, with_min ? half_to_float(row + 2) : -float(five_bits ? 16 : 8) * d);
   }
 }
 
@@ -479,14 +485,6 @@ inline __m256i block32_values(const uint8_t* block) {
   }
 }
 
-// The block's coefficient, as unpack_block32_row computes it: w = d * u + coef.
-template <int64_t FORMAT>
-inline float block32_coef(const uint8_t* block, float d) {
-  if constexpr (FORMAT == Q8_0) return -128.0f * d;
-  if constexpr (FORMAT == Q4_1 || FORMAT == Q5_1) return half_to_float(block + 2);
-  return -float(FORMAT == Q5_0 ? 16 : 8) * d;
-}
-
 // The product of one weight row with a few rows of x (a decode or verify step), each pair of
 // blocks decoded in registers as it is read (64 columns: one VNNI instruction per row of x),
 // instead of unpacking the row into memory first. Integer for integer and float for float the
@@ -496,20 +494,19 @@ inline float block32_coef(const uint8_t* block, float d) {
 template <int64_t FORMAT, int NUM_X>
 inline void block32_decode(const int8_t* q, const float* x_scale, const float* x_sum, const uint8_t* row, float* coef,
                            float* y, int64_t K, int64_t Kp, int64_t N) {
-  constexpr int64_t bytes = FORMAT == Q8_0 ? 34 : FORMAT == Q4_0 ? 18 : FORMAT == Q4_1 ? 20 : FORMAT == Q5_0 ? 22 : 24;
+  const int64_t bytes = layout(FORMAT).bytes;
   const int64_t blocks = K / 32;
   v16 acc[NUM_X] = {};
   for (int64_t k = 0, b = 0; k < Kp; k += CHUNK, b += 2) {
     const uint8_t* first = row + b * bytes;
     const float d0 = half_to_float(first);
-    const float c0 = block32_coef<FORMAT>(first, d0);
-    coef[k / 16] = coef[k / 16 + 1] = c0;
+    coef[k / 16] = coef[k / 16 + 1] = block32_coef(FORMAT, first, d0);
     __m512i u = _mm512_castsi256_si512(block32_values<FORMAT>(first));
     __m512 w_scale;
     if (b + 1 < blocks) {
       const uint8_t* second = first + bytes;
       const float d1 = half_to_float(second);
-      coef[k / 16 + 2] = coef[k / 16 + 3] = block32_coef<FORMAT>(second, d1);
+      coef[k / 16 + 2] = coef[k / 16 + 3] = block32_coef(FORMAT, second, d1);
       u = _mm512_inserti64x4(u, block32_values<FORMAT>(second), 1);
       w_scale = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d0), _mm512_set1_ps(d1));
     } else {  // K = 32 (mod 64): the padding's values, scales and coefficients are zeros
