@@ -32,16 +32,19 @@ inline float dot(const float* a, const float* b, int64_t D) {  // D % 16 == 0
   return horizontal_sum(acc);
 }
 
-// dot() of a with 4 rows b, b + D, b + 2D, b + 3D at once, each bit-identical to dot(): the same
-// 16-lane products in the same order, and one reduction tree shared by the four whose every
-// level adds the same lanes horizontal_sum() adds (l + 8, then l + 4, then l + 2, then l + 1).
-inline void dot4(const float* a, const float* b, int64_t D, float* out) {
-  v16 acc[4];
-  for (int r = 0; r < 4; ++r) acc[r] = load16(a) * load16(b + r * D);
-  for (int64_t d = 16; d < D; d += 16) {
-    const v16 x = load16(a + d);
-    for (int r = 0; r < 4; ++r) acc[r] += x * load16(b + r * D + d);
-  }
+// v, kept in a register: GCC would otherwise fold a load shared by several multiply-adds into
+// each of them (one load per multiply-add instead of one in all).
+inline v16 in_register(v16 v) {
+#if defined(__AVX512F__)
+  asm("" : "+v"(v));
+#endif
+  return v;
+}
+
+// The horizontal sums of 4 accumulators at once, each bit-identical to horizontal_sum(): one
+// reduction tree shared by the four whose every level adds the same lanes horizontal_sum() adds
+// (l + 8, then l + 4, then l + 2, then l + 1).
+inline void horizontal_sum4(const v16* acc, float* out) {
   // [r0 l+8 sums | r1 l+8 sums], [r2 | r3]: lanes 0-7 from the first vector, 8-15 from the second
   const v16 s01 = __builtin_shufflevector(acc[0], acc[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
                   __builtin_shufflevector(acc[0], acc[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
@@ -55,25 +58,99 @@ inline void dot4(const float* a, const float* b, int64_t D, float* out) {
   for (int r = 0; r < 4; ++r) out[r] = u[2 * r] + u[2 * r + 1];
 }
 
-// out[0..D) += w * v[0..D) for each key in order, with the sums in registers (D = 16 * N).
-template <int N>
-inline void weighted_sum(const float* weights, const int32_t* keys, int64_t count, const float* V, int64_t D,
-                         float* out) {
-  v16 acc[N];
-  for (int n = 0; n < N; ++n) acc[n] = load16(out + 16 * n);
-  for (int64_t c = 0; c < count; ++c) {
-    const float w = weights[c];
-    const float* v = V + int64_t(keys[c]) * D;
-#pragma GCC unroll 8
-    for (int n = 0; n < N; ++n) acc[n] = acc[n] + w * load16(v + 16 * n);
+// dot() of each of NQ queries a[q] with 4 rows b, b + D, b + 2D, b + 3D at once, each
+// bit-identical to dot(): the same 16-lane products in the same order, then horizontal_sum4.
+// The queries (a group's heads for one position) share every load of the keys.
+template <int NQ>
+inline void dot4(const float* const* a, const float* b, int64_t D, float* const* out) {
+  v16 acc[NQ][4];
+#pragma GCC unroll 4
+  for (int r = 0; r < 4; ++r) {
+    const v16 key = load16(b + r * D);
+#pragma GCC unroll 4
+    for (int h = 0; h < NQ; ++h) acc[h][r] = load16(a[h]) * key;
   }
-  for (int n = 0; n < N; ++n) store16(out + 16 * n, acc[n]);
+  for (int64_t d = 16; d < D; d += 16) {
+    v16 query[NQ];
+#pragma GCC unroll 4
+    for (int h = 0; h < NQ; ++h) query[h] = in_register(load16(a[h] + d));
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; ++r) {
+      const v16 key = load16(b + r * D + d);
+#pragma GCC unroll 4
+      for (int h = 0; h < NQ; ++h) acc[h][r] += query[h] * key;
+    }
+  }
+#pragma GCC unroll 4
+  for (int h = 0; h < NQ; ++h) horizontal_sum4(acc[h], out[h]);
+}
+
+// out[h][0..D) += weights[h][c] * v[0..D) for each key c in order, for NH queries (a group's
+// heads for one position) sharing every load of the values, the sums in registers (D = 16 * N).
+// Each query's sum is the same sequence of multiply-adds whatever NH is.
+template <int N, int NH>
+inline void weighted_sum(const float* const* weights, const int32_t* keys, int64_t count, const float* V, int64_t D,
+                         float* const* out) {
+  v16 acc[NH][N];
+#pragma GCC unroll 4
+  for (int h = 0; h < NH; ++h)
+#pragma GCC unroll 8
+    for (int n = 0; n < N; ++n) acc[h][n] = load16(out[h] + 16 * n);
+  for (int64_t c = 0; c < count; ++c) {
+    const float* v = V + int64_t(keys[c]) * D;
+    v16 weight[NH];
+#pragma GCC unroll 4
+    for (int h = 0; h < NH; ++h) weight[h] = in_register(v16{} + weights[h][c]);
+#pragma GCC unroll 8
+    for (int n = 0; n < N; ++n) {
+      const v16 value = load16(v + 16 * n);
+#pragma GCC unroll 4
+      for (int h = 0; h < NH; ++h) acc[h][n] = acc[h][n] + weight[h] * value;
+    }
+  }
+#pragma GCC unroll 4
+  for (int h = 0; h < NH; ++h)
+#pragma GCC unroll 8
+    for (int n = 0; n < N; ++n) store16(out[h] + 16 * n, acc[h][n]);
+}
+
+// The weighted sums of heads h0..h0+nh of one position, NH_MAX at a time.
+template <int N, int NH_MAX>
+inline void weighted_sums(int64_t nh, const float* const* weights, const int32_t* keys, int64_t count, const float* V,
+                          int64_t D, float* const* out) {
+  int64_t h = 0;
+  for (; h + NH_MAX <= nh; h += NH_MAX) weighted_sum<N, NH_MAX>(weights + h, keys, count, V, D, out + h);
+  for (; h < nh; ++h) weighted_sum<N, 1>(weights + h, keys, count, V, D, out + h);
+}
+
+// x[0..n) *= scale in place; returns their maximum.
+inline float scale_and_max(float* x, int64_t n, float scale) {
+  v16 top = v16{} - __builtin_inff();
+  int64_t k = 0;
+  for (; k + 16 <= n; k += 16) {
+    const v16 v = load16(x + k) * scale;
+    store16(x + k, v);
+    top = v > top ? v : top;
+  }
+  float max = -__builtin_inff();
+  for (int i = 0; i < 16; ++i) max = std::max(max, top[i]);
+  for (; k < n; ++k) {
+    x[k] *= scale;
+    max = std::max(max, x[k]);
+  }
+  return max;
 }
 
 // e^(x - max) in place for x[0..n), returns their sum (fixed order for a given n).
 inline float exp_and_sum(float* x, int64_t n, float max) {
   v16 total{};
-  for (int64_t k = 0; k < n; k += 16) {
+  int64_t k = 0;
+  for (; k + 16 <= n; k += 16) {  // whole vectors: what the masked step below computes when all 16 are valid
+    const v16 e = exp16(load16(x + k) - max);
+    store16(x + k, e);
+    total += e;
+  }
+  for (; k < n; k += 16) {
     float lanes[16];
     const int64_t valid = std::min<int64_t>(16, n - k);
     for (int i = 0; i < 16; ++i) lanes[i] = i < valid ? x[k + i] : max;
@@ -239,23 +316,36 @@ at::Tensor attention(const at::Tensor& queries, const at::Tensor& keys, const at
         for (int64_t j = 0; j < T; ++j)
           if (mp[t * T + j]) keys_of[i * row + count[i]++] = int32_t(start + j);
       }
-      // Scores, a tile of keys at a time (four adjacent keys share one reduction: dot4).
+      // Scores, a tile of keys at a time (four adjacent keys share one reduction: dot4), up to
+      // 4 of the group's heads at once sharing each key's loads.
       int64_t cursor[QUERIES];
-      for (int64_t hh = 0; hh < group; ++hh) {
-        const int64_t h = g * group + hh;
+      for (int64_t h0 = 0; h0 < group; h0 += 4) {
+        const int64_t nh = std::min<int64_t>(4, group - h0);
         std::fill(cursor, cursor + QUERIES, 0);
         for (int64_t j1 = TILE; j1 < end + TILE; j1 += TILE) {
           for (int64_t i = 0; i < nt; ++i) {
-            const float* query = q + ((t0 + i) * H + h) * D;
+            const float* query[4];
+            float* s[4];
+            for (int64_t hh = 0; hh < nh; ++hh) {
+              query[hh] = q + ((t0 + i) * H + g * group + h0 + hh) * D;
+              s[hh] = scores + ((h0 + hh) * nt + i) * row;
+            }
             const int32_t* keys_i = keys_of + i * row;
-            float* s = scores + (hh * nt + i) * row;
             int64_t c = cursor[i];
             while (c < count[i] && keys_i[c] < j1) {
               if (c + 4 <= count[i] && keys_i[c + 3] == keys_i[c] + 3) {
-                dot4(query, K + int64_t(keys_i[c]) * D, D, s + c);
+                const float* key = K + int64_t(keys_i[c]) * D;
+                float* at[4];
+                for (int64_t hh = 0; hh < nh; ++hh) at[hh] = s[hh] + c;
+                switch (nh) {
+                  case 1: dot4<1>(query, key, D, at); break;
+                  case 2: dot4<2>(query, key, D, at); break;
+                  case 3: dot4<3>(query, key, D, at); break;
+                  default: dot4<4>(query, key, D, at); break;
+                }
                 c += 4;
               } else {
-                s[c] = dot(query, K + int64_t(keys_i[c]) * D, D);
+                for (int64_t hh = 0; hh < nh; ++hh) s[hh][c] = dot(query[hh], K + int64_t(keys_i[c]) * D, D);
                 c += 1;
               }
             }
@@ -267,10 +357,7 @@ at::Tensor attention(const at::Tensor& queries, const at::Tensor& keys, const at
       for (int64_t query = 0; query < num_queries; ++query) {
         const int64_t n = count[query % nt];
         float* s = scores + query * row;
-        for (int64_t c = 0; c < n; ++c) s[c] *= float(scale);
-        float max = s[0];
-        for (int64_t c = 1; c < n; ++c) max = std::max(max, s[c]);
-        sums[query] = exp_and_sum(s, n, max);
+        sums[query] = exp_and_sum(s, n, scale_and_max(s, n, float(scale)));
         std::fill(acc + query * D, acc + (query + 1) * D, 0.0f);
       }
       // Weighted sums of values, a tile of values at a time, each query's sum in key order.
@@ -282,15 +369,27 @@ at::Tensor attention(const at::Tensor& queries, const at::Tensor& keys, const at
           int64_t c1 = c0;
           while (c1 < count[i] && keys_i[c1] < j1) ++c1;
           cursor[i] = c1;
+          if (D == 128 || D == 64) {  // the group's heads together, sharing the value loads
+            static thread_local std::vector<const float*> weights;
+            static thread_local std::vector<float*> outs;
+            weights.resize(group);
+            outs.resize(group);
+            for (int64_t hh = 0; hh < group; ++hh) {
+              weights[hh] = scores + (hh * nt + i) * row + c0;
+              outs[hh] = acc + (hh * nt + i) * D;
+            }
+            if (D == 128) {
+              weighted_sums<8, 2>(group, weights.data(), keys_i + c0, c1 - c0, V, D, outs.data());
+            } else {
+              weighted_sums<4, 4>(group, weights.data(), keys_i + c0, c1 - c0, V, D, outs.data());
+            }
+            continue;
+          }
           for (int64_t hh = 0; hh < group; ++hh) {
             const int64_t query = hh * nt + i;
             const float* w = scores + query * row;
             float* a = acc + query * D;
-            if (D == 128) {
-              weighted_sum<8>(w + c0, keys_i + c0, c1 - c0, V, D, a);
-            } else if (D == 64) {
-              weighted_sum<4>(w + c0, keys_i + c0, c1 - c0, V, D, a);
-            } else {  // the same sums, through memory
+            {  // the same sums, through memory
               for (int64_t c = c0; c < c1; ++c) {
                 const float* v = V + int64_t(keys_i[c]) * D;
                 for (int64_t d = 0; d < D; d += 16) store16(a + d, load16(a + d) + w[c] * load16(v + d));
