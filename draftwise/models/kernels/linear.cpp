@@ -3,10 +3,11 @@
 //
 // On block formats no float32 copy of W is ever kept: each block is decoded 16 weights at a
 // time in registers (blocks.h) and multiplied into up to 8 rows of x at once, several weight
-// rows in step, with the next rows prefetched. A decode or verify step (up to 32 rows) runs
-// all its rows against each weight row. A prefill decodes a tile of weight rows (32 rows x 1024
-// columns) into float32 in cache once per 96 rows of x and runs 6 x 4 register blocks over it
-// (Qwen2.5-1.5B, 256 rows: 60 -> 77 GMAC/s against decoding each block per 8 rows in registers).
+// rows in step, with the next rows prefetched. A decode or verify step (up to 11 rows) runs
+// all its rows against each weight row. From 12 rows on (a long verify, a prefill) a tile of
+// weight rows (32 rows x 1024 columns) is decoded into float32 in cache once per 96 rows of x
+// and 6 x 4 register blocks run over it (Qwen2.5-1.5B, 256 rows: 60 -> 77 GMAC/s against
+// decoding each block per 8 rows in registers).
 // Float-format weights are read in groups of 4 rows for a decode step; a prefill on them
 // converts W to float32 once and runs a blocked product over it.
 //
@@ -320,6 +321,10 @@ void prefill(const float* x, const uint8_t* w, int64_t format, float* y, int64_t
 // output, the same sequence of fused multiply-adds as fused_slice and block<>.
 // Weight tiles advance fastest, so a thread's tile of x stays in cache while the weights stream.
 constexpr int64_t BLOCK_TILE_M = 96, BLOCK_TILE_N = 32;
+// From this many rows of x on, block formats take the tiles (kernel_cost.py, SmolLM2's Q4_1 /
+// Q8_0, 2 threads: 0.7x the fused path at 4 rows, even at 9, 1.1x at 16, 1.25x at 32; a whole
+// 16-token forward measured the same either way, within noise).
+constexpr int64_t BLOCK_TILE_MIN_ROWS = 12;
 
 void prefill_blocks(const float* x, const uint8_t* w, int64_t format, float* y, int64_t M, int64_t K, int64_t N,
                     int64_t row_bytes) {
@@ -361,7 +366,7 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& weight, int64_t
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   if (is_block_format(format)) {
-    const auto run = M > SKINNY_MAX_ROWS ? prefill_blocks : fused;
+    const auto run = M >= BLOCK_TILE_MIN_ROWS ? prefill_blocks : fused;
     run(x.data_ptr<float>(), weight.data_ptr<uint8_t>(), format, y.data_ptr<float>(), M, K, N, weight.size(1));
     return y;
   }
