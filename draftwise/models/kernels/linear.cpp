@@ -5,7 +5,7 @@
 // time in registers (blocks.h) and multiplied into up to 8 rows of x at once, several weight
 // rows in step, with the next rows prefetched. A decode or verify step (up to 11 rows) runs
 // all its rows against each weight row. From 12 rows on (a long verify, a prefill) a tile of
-// weight rows (32 rows x 1024 columns) is decoded into float32 in cache once per 96 rows of x
+// weight rows (32 rows x 2048 columns) is decoded into float32 in cache once per 96 rows of x
 // and 6 x 4 register blocks run over it (Qwen2.5-1.5B, 256 rows: 60 -> 77 GMAC/s against
 // decoding each block per 8 rows in registers).
 // Float-format weights are read in groups of 4 rows for a decode step; a prefill on them
@@ -314,13 +314,16 @@ void prefill(const float* x, const uint8_t* w, int64_t format, float* y, int64_t
 }
 
 // Many rows on block formats: each work item, a tile of BLOCK_TILE_M rows of x by BLOCK_TILE_N
-// weight rows, decodes its weight rows TILE_K columns at a time into a float32 tile (in L2; the
+// weight rows, decodes its weight rows BLOCK_TILE_K columns at a time into a float32 tile (in L2; the
 // values dequantize_row writes) and runs the 6 x 4 register blocks over it, the partial sums
 // parked between column steps. A weight is decoded once per BLOCK_TILE_M rows of x instead of
 // once per 8 (the fused path's), and the multiply-adds read both operands from cache: per
 // output, the same sequence of fused multiply-adds as fused_slice and block<>.
 // Weight tiles advance fastest, so a thread's tile of x stays in cache while the weights stream.
-constexpr int64_t BLOCK_TILE_M = 96, BLOCK_TILE_N = 32;
+// 2048 columns a step (a 256 KB tile): Qwen2.5-1.5B prefill of 1024 tokens 50 / 55-57 / 60-61 /
+// 62 tok/s with 256 / 512-1024 / 1536-2048 / 4096+ (fewer parkings of the partial sums); the tile's
+// 96 x 32 shape measured flat from 48 to 192 rows and 16 to 64 weight rows.
+constexpr int64_t BLOCK_TILE_M = 96, BLOCK_TILE_N = 32, BLOCK_TILE_K = 2048;
 // From this many rows of x on, block formats take the tiles (kernel_cost.py, SmolLM2's Q4_1 /
 // Q8_0, 2 threads: 0.7x the fused path at 4 rows, even at 9, 1.1x at 16, 1.25x at 32; a whole
 // 16-token forward measured the same either way, within noise).
@@ -332,22 +335,22 @@ void prefill_blocks(const float* x, const uint8_t* w, int64_t format, float* y, 
     using B = decltype(blocks);
     const int64_t tiles_m = (M + BLOCK_TILE_M - 1) / BLOCK_TILE_M, tiles_n = (N + BLOCK_TILE_N - 1) / BLOCK_TILE_N;
     at::parallel_for(0, tiles_m * tiles_n, 1, [&](int64_t t0, int64_t t1) {
-      float* buffer = thread_buffer(BLOCK_TILE_M * BLOCK_TILE_N * 16 + BLOCK_TILE_N * TILE_K);
+      float* buffer = thread_buffer(BLOCK_TILE_M * BLOCK_TILE_N * 16 + BLOCK_TILE_N * BLOCK_TILE_K);
       v16* partial = reinterpret_cast<v16*>(buffer);
       float* tile = buffer + BLOCK_TILE_M * BLOCK_TILE_N * 16;
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t m0 = t / tiles_n * BLOCK_TILE_M, n0 = t % tiles_n * BLOCK_TILE_N;
         const int64_t rows = std::min(BLOCK_TILE_M, M - m0), cols = std::min(BLOCK_TILE_N, N - n0);
         for (int64_t i = 0; i < rows * cols; ++i) partial[i] = v16{};
-        for (int64_t k0 = 0; k0 < K; k0 += TILE_K) {
-          const int64_t columns = std::min(TILE_K, K - k0);  // whole blocks: K is a multiple of B::WEIGHTS
+        for (int64_t k0 = 0; k0 < K; k0 += BLOCK_TILE_K) {
+          const int64_t columns = std::min(BLOCK_TILE_K, K - k0);  // whole blocks: K is a multiple of B::WEIGHTS
           for (int64_t j = 0; j < cols; ++j) {
             const uint8_t* block = w + (n0 + j) * row_bytes + k0 / B::WEIGHTS * B::BYTES;
-            float* out = tile + j * TILE_K;
+            float* out = tile + j * BLOCK_TILE_K;
             for (int64_t b = 0; b < columns / B::WEIGHTS; ++b, block += B::BYTES, out += B::WEIGHTS)
               B::template decode<1>(&block, [&](int g, const v16* values) { store16(out + 16 * g, values[0]); });
           }
-          tile_step(x + m0 * K + k0, K, tile, TILE_K, partial, rows, cols, columns);
+          tile_step(x + m0 * K + k0, K, tile, BLOCK_TILE_K, partial, rows, cols, columns);
         }
         for (int64_t i = 0; i < rows; ++i)
           for (int64_t j = 0; j < cols; ++j) y[(m0 + i) * N + n0 + j] = horizontal_sum(partial[i * cols + j]);
