@@ -201,8 +201,8 @@ def test_rotary_is_pytorchs_formula_bit_for_bit(kernels, tokens, heads, head_dim
 
 
 # SmolLM2-135M's shape, Qwen2.5-1.5B's and Qwen2.5-0.5B's: groups of 3, 6 and 7 heads (run 4, 2 or
-# 1 at a time) over head_dim 64 and 128
-@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (12, 2, 128), (14, 2, 64)])
+# 1 at a time) over head_dim 64 and 128; and head sizes with no register path (32, 96)
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (12, 2, 128), (14, 2, 64), (4, 2, 32), (6, 3, 96)])
 def test_attention_matches_sdpa_and_is_row_invariant(kernels, heads, kv_heads, head_dim):
     torch.manual_seed(0)
     start, num_new = 50, 7

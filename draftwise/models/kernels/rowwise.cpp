@@ -385,15 +385,13 @@ at::Tensor attention(const at::Tensor& queries, const at::Tensor& keys, const at
             }
             continue;
           }
-          for (int64_t hh = 0; hh < group; ++hh) {
+          for (int64_t hh = 0; hh < group; ++hh) {  // other head sizes: the same sums, through memory
             const int64_t query = hh * nt + i;
             const float* w = scores + query * row;
             float* a = acc + query * D;
-            {  // the same sums, through memory
-              for (int64_t c = c0; c < c1; ++c) {
-                const float* v = V + int64_t(keys_i[c]) * D;
-                for (int64_t d = 0; d < D; d += 16) store16(a + d, load16(a + d) + w[c] * load16(v + d));
-              }
+            for (int64_t c = c0; c < c1; ++c) {
+              const float* v = V + int64_t(keys_i[c]) * D;
+              for (int64_t d = 0; d < D; d += 16) store16(a + d, load16(a + d) + w[c] * load16(v + d));
             }
           }
         }
