@@ -32,7 +32,7 @@ namespace {
 
 constexpr int ROWS_OF_W = 4;  // weight rows per block: 4 x 6 = 24 accumulators + 4 weights
 constexpr int ROWS_OF_X = 6;
-constexpr int64_t SKINNY_MAX_ROWS = 32;  // more rows than this: the prefill path
+constexpr int64_t SKINNY_MAX_ROWS = 32;  // float-format weights, more rows than this: the prefill path
 
 // One row of K weights from its format into out (float32), 16 at a time: blocks.h's values.
 void dequantize_row(int64_t format, const uint8_t* row, float* out, int64_t K) {
@@ -81,10 +81,7 @@ inline void micro(const float* x, int64_t x_stride, const float* w, int64_t w_st
     for (int j = 0; j < NUM_W; ++j) weights[j] = load16(w + j * w_stride + k);
 #pragma GCC unroll 8
     for (int i = 0; i < NUM_X; ++i) {
-      v16 xs = load16(x + i * x_stride + k);
-#if defined(__AVX512F__)
-      asm("" : "+v"(xs));  // one load per row of x, not one per multiply-add (GCC folds it into each: 1.2x slower)
-#endif
+      const v16 xs = in_register(load16(x + i * x_stride + k));  // one load per row of x
 #pragma GCC unroll 8
       for (int j = 0; j < NUM_W; ++j) acc[i][j] += xs * weights[j];
     }
@@ -331,31 +328,26 @@ constexpr int64_t BLOCK_TILE_MIN_ROWS = 12;
 
 void prefill_blocks(const float* x, const uint8_t* w, int64_t format, float* y, int64_t M, int64_t K, int64_t N,
                     int64_t row_bytes) {
-  with_blocks(format, [&](auto blocks) {
-    using B = decltype(blocks);
-    const int64_t tiles_m = (M + BLOCK_TILE_M - 1) / BLOCK_TILE_M, tiles_n = (N + BLOCK_TILE_N - 1) / BLOCK_TILE_N;
-    at::parallel_for(0, tiles_m * tiles_n, 1, [&](int64_t t0, int64_t t1) {
-      float* buffer = thread_buffer(BLOCK_TILE_M * BLOCK_TILE_N * 16 + BLOCK_TILE_N * BLOCK_TILE_K);
-      v16* partial = reinterpret_cast<v16*>(buffer);
-      float* tile = buffer + BLOCK_TILE_M * BLOCK_TILE_N * 16;
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t m0 = t / tiles_n * BLOCK_TILE_M, n0 = t % tiles_n * BLOCK_TILE_N;
-        const int64_t rows = std::min(BLOCK_TILE_M, M - m0), cols = std::min(BLOCK_TILE_N, N - n0);
-        for (int64_t i = 0; i < rows * cols; ++i) partial[i] = v16{};
-        for (int64_t k0 = 0; k0 < K; k0 += BLOCK_TILE_K) {
-          const int64_t columns = std::min(BLOCK_TILE_K, K - k0);  // whole blocks: K is a multiple of B::WEIGHTS
-          for (int64_t j = 0; j < cols; ++j) {
-            const uint8_t* block = w + (n0 + j) * row_bytes + k0 / B::WEIGHTS * B::BYTES;
-            float* out = tile + j * BLOCK_TILE_K;
-            for (int64_t b = 0; b < columns / B::WEIGHTS; ++b, block += B::BYTES, out += B::WEIGHTS)
-              B::template decode<1>(&block, [&](int g, const v16* values) { store16(out + 16 * g, values[0]); });
-          }
-          tile_step(x + m0 * K + k0, K, tile, BLOCK_TILE_K, partial, rows, cols, columns);
-        }
-        for (int64_t i = 0; i < rows; ++i)
-          for (int64_t j = 0; j < cols; ++j) y[(m0 + i) * N + n0 + j] = horizontal_sum(partial[i * cols + j]);
+  const Layout blocks = layout(format);
+  const int64_t tiles_m = (M + BLOCK_TILE_M - 1) / BLOCK_TILE_M, tiles_n = (N + BLOCK_TILE_N - 1) / BLOCK_TILE_N;
+  at::parallel_for(0, tiles_m * tiles_n, 1, [&](int64_t t0, int64_t t1) {
+    float* buffer = thread_buffer(BLOCK_TILE_M * BLOCK_TILE_N * 16 + BLOCK_TILE_N * BLOCK_TILE_K);
+    v16* partial = reinterpret_cast<v16*>(buffer);
+    float* tile = buffer + BLOCK_TILE_M * BLOCK_TILE_N * 16;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t m0 = t / tiles_n * BLOCK_TILE_M, n0 = t % tiles_n * BLOCK_TILE_N;
+      const int64_t rows = std::min(BLOCK_TILE_M, M - m0), cols = std::min(BLOCK_TILE_N, N - n0);
+      for (int64_t i = 0; i < rows * cols; ++i) partial[i] = v16{};
+      for (int64_t k0 = 0; k0 < K; k0 += BLOCK_TILE_K) {
+        const int64_t columns = std::min(BLOCK_TILE_K, K - k0);  // whole blocks: K is a multiple of a block
+        for (int64_t j = 0; j < cols; ++j)
+          dequantize_row(format, w + (n0 + j) * row_bytes + k0 / blocks.weights * blocks.bytes, tile + j * BLOCK_TILE_K,
+                         columns);
+        tile_step(x + m0 * K + k0, K, tile, BLOCK_TILE_K, partial, rows, cols, columns);
       }
-    });
+      for (int64_t i = 0; i < rows; ++i)
+        for (int64_t j = 0; j < cols; ++j) y[(m0 + i) * N + n0 + j] = horizontal_sum(partial[i * cols + j]);
+    }
   });
 }
 

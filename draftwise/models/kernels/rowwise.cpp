@@ -32,15 +32,6 @@ inline float dot(const float* a, const float* b, int64_t D) {  // D % 16 == 0
   return horizontal_sum(acc);
 }
 
-// v, kept in a register: GCC would otherwise fold a load shared by several multiply-adds into
-// each of them (one load per multiply-add instead of one in all).
-inline v16 in_register(v16 v) {
-#if defined(__AVX512F__)
-  asm("" : "+v"(v));
-#endif
-  return v;
-}
-
 // The horizontal sums of 4 accumulators at once, each bit-identical to horizontal_sum(): one
 // reduction tree shared by the four whose every level adds the same lanes horizontal_sum() adds
 // (l + 8, then l + 4, then l + 2, then l + 1).
