@@ -62,19 +62,28 @@ inline float finish(v16 acc, const float* x, const float* w, int64_t k_vec, int6
   return sum;
 }
 
+// Where a register block's sums start and end: from `partial` or from zero (a first column
+// step), and back into `partial` or, after the last column step, straight into y as finished
+// sums (horizontal_sum's, four at a time): no zeroing pass, no parking, no reloading.
+struct Ends {
+  bool from_zero = false;
+  float* y = nullptr;  // non-null: finish into y[i * y_stride + j] instead of parking in partial
+  int64_t y_stride = 0;
+};
+
 // partial[i * cols + j] (16 lanes) += x row i . w row j over `columns` columns (a multiple of
 // 16), for NUM_X <= 6 x rows (stride x_stride) and NUM_W <= 4 weight rows (stride w_stride) held
 // in 24 registers: one fused multiply-add per lane per 16 columns, in column order. Every path
-// below runs every output through this loop (or fused_slice's, the same sequence), then finish():
-// they agree bit for bit by construction.
+// below runs every output through this loop (or fused_slice's, the same sequence), then the
+// same horizontal sum: they agree bit for bit by construction.
 template <int NUM_X, int NUM_W>
 inline void micro(const float* x, int64_t x_stride, const float* w, int64_t w_stride, v16* partial, int64_t columns,
-                  int64_t cols) {
+                  int64_t cols, Ends ends = {}) {
   v16 acc[NUM_X][NUM_W];
 #pragma GCC unroll 8
   for (int i = 0; i < NUM_X; ++i)
 #pragma GCC unroll 8
-    for (int j = 0; j < NUM_W; ++j) acc[i][j] = partial[i * cols + j];
+    for (int j = 0; j < NUM_W; ++j) acc[i][j] = ends.from_zero ? v16{} : partial[i * cols + j];
   for (int64_t k = 0; k < columns; k += 16) {
     v16 weights[NUM_W];
 #pragma GCC unroll 8
@@ -85,6 +94,19 @@ inline void micro(const float* x, int64_t x_stride, const float* w, int64_t w_st
 #pragma GCC unroll 8
       for (int j = 0; j < NUM_W; ++j) acc[i][j] += xs * weights[j];
     }
+  }
+  if (ends.y != nullptr) {
+#pragma GCC unroll 8
+    for (int i = 0; i < NUM_X; ++i) {
+      float* out = ends.y + i * ends.y_stride;
+      if constexpr (NUM_W == 4) {
+        const v4 sums = horizontal_sums4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+        std::memcpy(out, &sums, sizeof sums);
+      } else {
+        for (int j = 0; j < NUM_W; ++j) out[j] = horizontal_sum(acc[i][j]);
+      }
+    }
+    return;
   }
 #pragma GCC unroll 8
   for (int i = 0; i < NUM_X; ++i)
@@ -249,32 +271,38 @@ constexpr int64_t TILE_M = 48, TILE_N = 64, TILE_K = 1024;
 
 template <int NUM_W>
 inline void micro_rows(int64_t num_x, const float* x, int64_t x_stride, const float* w, int64_t w_stride,
-                       v16* partial, int64_t columns, int64_t cols) {
+                       v16* partial, int64_t columns, int64_t cols, Ends ends) {
   switch (num_x) {
-    case 1: micro<1, NUM_W>(x, x_stride, w, w_stride, partial, columns, cols); break;
-    case 2: micro<2, NUM_W>(x, x_stride, w, w_stride, partial, columns, cols); break;
-    case 3: micro<3, NUM_W>(x, x_stride, w, w_stride, partial, columns, cols); break;
-    case 4: micro<4, NUM_W>(x, x_stride, w, w_stride, partial, columns, cols); break;
-    case 5: micro<5, NUM_W>(x, x_stride, w, w_stride, partial, columns, cols); break;
-    default: micro<6, NUM_W>(x, x_stride, w, w_stride, partial, columns, cols); break;
+    case 1: micro<1, NUM_W>(x, x_stride, w, w_stride, partial, columns, cols, ends); break;
+    case 2: micro<2, NUM_W>(x, x_stride, w, w_stride, partial, columns, cols, ends); break;
+    case 3: micro<3, NUM_W>(x, x_stride, w, w_stride, partial, columns, cols, ends); break;
+    case 4: micro<4, NUM_W>(x, x_stride, w, w_stride, partial, columns, cols, ends); break;
+    case 5: micro<5, NUM_W>(x, x_stride, w, w_stride, partial, columns, cols, ends); break;
+    default: micro<6, NUM_W>(x, x_stride, w, w_stride, partial, columns, cols, ends); break;
   }
 }
 
 // partial (rows x cols outputs, 16 lanes each) += x rows . w rows over `columns` columns, in
-// 6 x 4 register blocks; x rows stride x_stride, w rows stride w_stride.
+// 6 x 4 register blocks; x rows stride x_stride, w rows stride w_stride. ends: for the whole
+// tile (its y, when given, is output [0, 0] of the tile).
 void tile_step(const float* x, int64_t x_stride, const float* w, int64_t w_stride, v16* partial, int64_t rows,
-               int64_t cols, int64_t columns) {
+               int64_t cols, int64_t columns, Ends ends = {}) {
   for (int64_t r = 0; r < rows; r += ROWS_OF_X) {  // 6 rows of x stay in L1 while the weight rows pass
     const int64_t num_x = std::min<int64_t>(ROWS_OF_X, rows - r);
     const float* xr = x + r * x_stride;
     for (int64_t c = 0; c < cols; c += ROWS_OF_W) {
       const int64_t num_w = std::min<int64_t>(ROWS_OF_W, cols - c);
       v16* pr = partial + r * cols + c;
+      Ends block_ends = ends;
+      if (ends.y != nullptr) block_ends.y = ends.y + r * ends.y_stride + c;
       if (num_w == ROWS_OF_W) {
-        micro_rows<ROWS_OF_W>(num_x, xr, x_stride, w + c * w_stride, w_stride, pr, columns, cols);
+        micro_rows<ROWS_OF_W>(num_x, xr, x_stride, w + c * w_stride, w_stride, pr, columns, cols, block_ends);
       } else {
-        for (int64_t j = 0; j < num_w; ++j)
-          micro_rows<1>(num_x, xr, x_stride, w + (c + j) * w_stride, w_stride, pr + j, columns, cols);
+        for (int64_t j = 0; j < num_w; ++j) {
+          Ends row_ends = block_ends;
+          if (row_ends.y != nullptr) row_ends.y += j;
+          micro_rows<1>(num_x, xr, x_stride, w + (c + j) * w_stride, w_stride, pr + j, columns, cols, row_ends);
+        }
       }
     }
   }
@@ -337,16 +365,15 @@ void prefill_blocks(const float* x, const uint8_t* w, int64_t format, float* y, 
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t m0 = t / tiles_n * BLOCK_TILE_M, n0 = t % tiles_n * BLOCK_TILE_N;
       const int64_t rows = std::min(BLOCK_TILE_M, M - m0), cols = std::min(BLOCK_TILE_N, N - n0);
-      for (int64_t i = 0; i < rows * cols; ++i) partial[i] = v16{};
       for (int64_t k0 = 0; k0 < K; k0 += BLOCK_TILE_K) {
         const int64_t columns = std::min(BLOCK_TILE_K, K - k0);  // whole blocks: K is a multiple of a block
         for (int64_t j = 0; j < cols; ++j)
           dequantize_row(format, w + (n0 + j) * row_bytes + k0 / blocks.weights * blocks.bytes, tile + j * BLOCK_TILE_K,
                          columns);
-        tile_step(x + m0 * K + k0, K, tile, BLOCK_TILE_K, partial, rows, cols, columns);
+        const bool last = k0 + columns == K;
+        tile_step(x + m0 * K + k0, K, tile, BLOCK_TILE_K, partial, rows, cols, columns,
+                  Ends{k0 == 0, last ? y + m0 * N + n0 : nullptr, N});
       }
-      for (int64_t i = 0; i < rows; ++i)
-        for (int64_t j = 0; j < cols; ++j) y[(m0 + i) * N + n0 + j] = horizontal_sum(partial[i * cols + j]);
     }
   });
 }
