@@ -105,13 +105,16 @@ inline void weighted_sum(const float* const* weights, const int32_t* keys, int64
     for (int n = 0; n < N; ++n) store16(out[h] + 16 * n, acc[h][n]);
 }
 
-// The weighted sums of heads h0..h0+nh of one position, NH_MAX at a time.
+// The weighted sums of heads h0..h0+nh of one position, NH_MAX at a time, the rest together
+// (a group of 3 heads shares its value loads too).
 template <int N, int NH_MAX>
 inline void weighted_sums(int64_t nh, const float* const* weights, const int32_t* keys, int64_t count, const float* V,
                           int64_t D, float* const* out) {
   int64_t h = 0;
   for (; h + NH_MAX <= nh; h += NH_MAX) weighted_sum<N, NH_MAX>(weights + h, keys, count, V, D, out + h);
-  for (; h < nh; ++h) weighted_sum<N, 1>(weights + h, keys, count, V, D, out + h);
+  if constexpr (NH_MAX > 1) {
+    if (h < nh) weighted_sums<N, NH_MAX - 1>(nh - h, weights + h, keys, count, V, D, out + h);
+  }
 }
 
 // x[0..n) *= scale in place; returns their maximum.
