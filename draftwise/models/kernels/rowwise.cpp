@@ -32,21 +32,10 @@ inline float dot(const float* a, const float* b, int64_t D) {  // D % 16 == 0
   return horizontal_sum(acc);
 }
 
-// The horizontal sums of 4 accumulators at once, each bit-identical to horizontal_sum(): one
-// reduction tree shared by the four whose every level adds the same lanes horizontal_sum() adds
-// (l + 8, then l + 4, then l + 2, then l + 1).
+// The horizontal sums of 4 accumulators, each bit-identical to horizontal_sum() (vec.h).
 inline void horizontal_sum4(const v16* acc, float* out) {
-  // [r0 l+8 sums | r1 l+8 sums], [r2 | r3]: lanes 0-7 from the first vector, 8-15 from the second
-  const v16 s01 = __builtin_shufflevector(acc[0], acc[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-                  __builtin_shufflevector(acc[0], acc[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  const v16 s23 = __builtin_shufflevector(acc[2], acc[3], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-                  __builtin_shufflevector(acc[2], acc[3], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  // l + 4: [r0 4 | r1 4 | r2 4 | r3 4]
-  const v16 t = __builtin_shufflevector(s01, s23, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-                __builtin_shufflevector(s01, s23, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-  // (b0 + b2) + (b1 + b3) per row, as horizontal_sum
-  const v8 u = __builtin_shufflevector(t, t, 0, 1, 4, 5, 8, 9, 12, 13) + __builtin_shufflevector(t, t, 2, 3, 6, 7, 10, 11, 14, 15);
-  for (int r = 0; r < 4; ++r) out[r] = u[2 * r] + u[2 * r + 1];
+  const v4 sums = horizontal_sums4(acc[0], acc[1], acc[2], acc[3]);
+  std::memcpy(out, &sums, sizeof sums);
 }
 
 // dot() of each of NQ queries a[q] with 4 rows b, b + D, b + 2D, b + 3D at once, each
