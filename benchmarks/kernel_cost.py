@@ -10,7 +10,11 @@ Matrices are those of the first decoder layer and the LM head, in the model's ow
 GGUF file's blocks with --dtype auto). Each time is the minimum over `--repeats` rounds of a
 loop long enough to take ~20 ms, so caches are warm as in a decode step that reads the same
 matrix again one step later; the weights of a whole model do not fit in cache, so a real
-forward reads them from memory and is slower for one row."""
+forward reads them from memory and is slower for one row. Judge a change to the decode path
+(few rows) by forward_cost.py's whole forwards: one that measured 1.1-1.35x faster here at 9-11
+rows was slower in whole SmolLM2 forwards (2026-11-25). Evicting the caches before each
+product does not model a forward either (it also lets the threads fall asleep: a 110 KB matrix
+then took 43 us instead of 10)."""
 
 from __future__ import annotations
 
