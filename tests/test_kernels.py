@@ -76,9 +76,12 @@ def test_the_product_matches_float64(kernels, num_rows, num_columns):
 
 
 # Float formats with a 16-column tail (600 columns) and without one (576: the prefill finishes
-# its sums in registers); block formats have no tail.
-INVARIANCE_CASES = [(WeightFormat.F32, 600), (WeightFormat.F32, 576), (WeightFormat.BF16, 600),
-                    (WeightFormat.BF16, 576)] + [(format, None) for format in (
+# its sums in registers; 2560: three column steps, the middle one parked); block formats have no
+# tail (the real tensors: Q4_K and Q6_K come from 4864-column ones, three column steps of the
+# block prefill; 4608 synthetic columns give 32-weight blocks three steps too).
+INVARIANCE_CASES = [(WeightFormat.F32, 600), (WeightFormat.F32, 576), (WeightFormat.F32, 2560),
+                    (WeightFormat.BF16, 600), (WeightFormat.BF16, 576), (WeightFormat.Q4_1, 4608),
+                    (WeightFormat.Q8_0, 4608)] + [(format, None) for format in (
                         WeightFormat.Q4_K, WeightFormat.Q6_K, WeightFormat.Q8_0, WeightFormat.Q4_1, WeightFormat.Q5_0,
                         WeightFormat.Q4_0, WeightFormat.Q5_1)]
 
