@@ -86,12 +86,12 @@ INVARIANCE_CASES = [(WeightFormat.F32, 600), (WeightFormat.F32, 576), (WeightFor
                         WeightFormat.Q4_0, WeightFormat.Q5_1)]
 
 
-@pytest.mark.parametrize("format, num_float_columns", INVARIANCE_CASES,
+@pytest.mark.parametrize("format, synthetic_columns", INVARIANCE_CASES,
                          ids=[f"{format.name}-{columns}" if columns else format.name
                               for format, columns in INVARIANCE_CASES])
-def test_each_row_is_bit_identical_whatever_rows_are_beside_it(kernels, format, num_float_columns):
-    if num_float_columns:
-        data, num_columns = synthetic_blocks(format, 40, num_float_columns)
+def test_each_row_is_bit_identical_whatever_rows_are_beside_it(kernels, format, synthetic_columns):
+    if synthetic_columns:  # None: the format's real tensor (CASES)
+        data, num_columns = synthetic_blocks(format, 40, synthetic_columns)
     else:
         data, num_columns = dict(CASES)[format](format)
     weight = BlockWeight(data, format, num_columns)

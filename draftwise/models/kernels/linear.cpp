@@ -313,17 +313,16 @@ void tile_product(const float* x, const float* w, float* y, int64_t M, int64_t K
   const int64_t rows = std::min(TILE_M, M - m0), cols = std::min(TILE_N, N - n0);
   const int64_t k_vec = K / 16 * 16;
   v16* partial = reinterpret_cast<v16*>(thread_buffer(TILE_M * TILE_N * 16));
-  if (k_vec == K && K > 0) {  // no tail: the last column step finishes the sums in registers
-    for (int64_t k0 = 0; k0 < K; k0 += TILE_K) {
-      const int64_t columns = std::min(TILE_K, K - k0);
-      tile_step(x + m0 * K + k0, K, w + n0 * K + k0, K, partial, rows, cols, columns,
-                Ends{k0 == 0, k0 + columns == K ? y + m0 * N + n0 : nullptr, N});
-    }
-    return;
+  const bool no_tail = k_vec == K && K > 0;  // then the last column step finishes the sums in registers
+  if (k_vec == 0)
+    for (int64_t i = 0; i < rows * cols; ++i) partial[i] = v16{};  // no column step: the tail alone
+  for (int64_t k0 = 0; k0 < k_vec; k0 += TILE_K) {
+    const int64_t columns = std::min(TILE_K, k_vec - k0);
+    const bool last = k0 + columns == k_vec;
+    tile_step(x + m0 * K + k0, K, w + n0 * K + k0, K, partial, rows, cols, columns,
+              Ends{k0 == 0, last && no_tail ? y + m0 * N + n0 : nullptr, N});
   }
-  for (int64_t i = 0; i < rows * cols; ++i) partial[i] = v16{};
-  for (int64_t k0 = 0; k0 < k_vec; k0 += TILE_K)
-    tile_step(x + m0 * K + k0, K, w + n0 * K + k0, K, partial, rows, cols, std::min(TILE_K, k_vec - k0));
+  if (no_tail) return;
   for (int64_t i = 0; i < rows; ++i)
     for (int64_t j = 0; j < cols; ++j)
       y[(m0 + i) * N + n0 + j] = finish(partial[i * cols + j], x + (m0 + i) * K, w + (n0 + j) * K, k_vec, K);

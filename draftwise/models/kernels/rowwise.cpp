@@ -32,14 +32,8 @@ inline float dot(const float* a, const float* b, int64_t D) {  // D % 16 == 0
   return horizontal_sum(acc);
 }
 
-// The horizontal sums of 4 accumulators, each bit-identical to horizontal_sum() (vec.h).
-inline void horizontal_sum4(const v16* acc, float* out) {
-  const v4 sums = horizontal_sums4(acc[0], acc[1], acc[2], acc[3]);
-  std::memcpy(out, &sums, sizeof sums);
-}
-
 // dot() of each of NQ queries a[q] with 4 rows b, b + D, b + 2D, b + 3D at once, each
-// bit-identical to dot(): the same 16-lane products in the same order, then horizontal_sum4.
+// bit-identical to dot(): the same 16-lane products in the same order, then horizontal_sums4.
 // The queries (a group's heads for one position) share every load of the keys.
 template <int NQ>
 inline void dot4(const float* const* a, const float* b, int64_t D, float* const* out) {
@@ -62,7 +56,10 @@ inline void dot4(const float* const* a, const float* b, int64_t D, float* const*
     }
   }
 #pragma GCC unroll 4
-  for (int h = 0; h < NQ; ++h) horizontal_sum4(acc[h], out[h]);
+  for (int h = 0; h < NQ; ++h) {
+    const v4 sums = horizontal_sums4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
+    std::memcpy(out[h], &sums, sizeof sums);
+  }
 }
 
 // out[h][0..D) += weights[h][c] * v[0..D) for each key c in order, for NH queries (a group's
