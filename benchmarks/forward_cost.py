@@ -17,6 +17,7 @@ import time
 import torch
 
 from draftwise.models import loading
+from draftwise.models.linear import ACTIVATIONS
 
 
 def forward_ms(model, num_tokens: int, rounds: int = 4, context: int = 300) -> float:
@@ -74,7 +75,7 @@ def main() -> None:
     parser.add_argument("--model", default="qwen2.5-coder-1.5b")
     parser.add_argument("--dtype", nargs="+", default=["auto"])
     parser.add_argument("--quantize", default=None)
-    parser.add_argument("--activations", default="float32", choices=["float32", "int8"])
+    parser.add_argument("--activations", default="float32", choices=list(ACTIVATIONS))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prefill", type=int, default=2048)
     parser.add_argument("--llama-cpp", action="store_true", help="time llama.cpp on the GGUF file instead")

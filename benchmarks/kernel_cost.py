@@ -1,6 +1,6 @@
 """Cost of each distinct weight matrix of a model through draftwise's linear kernels: microseconds
 and multiply-adds per second for a product with 1 / 2 / 4 / 9 / 16 / 256 rows of x (decode, draft
-verification, prefill tiles), float32 and int8 activations. A kernel change shows here first,
+verification, prefill tiles), float32, int8 and bf16 activations. A kernel change shows here first,
 one matrix at a time, before it shows in benchmarks/forward_cost.py's whole forwards.
 
     python benchmarks/kernel_cost.py --model qwen2.5-coder-1.5b --threads 2
@@ -25,7 +25,7 @@ import torch
 
 from draftwise.errors import ConfigError
 from draftwise.models import loading
-from draftwise.models.linear import BlockLinear, use_activations
+from draftwise.models.linear import ACTIVATIONS, BlockLinear, use_activations
 
 
 def matrices(model) -> dict[str, BlockLinear]:
@@ -55,7 +55,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtype", default="auto", help="how weights are stored (auto: the GGUF file's blocks)")
-    parser.add_argument("--activations", nargs="+", default=["float32", "int8"], choices=["float32", "int8"])
+    parser.add_argument("--activations", nargs="+", default=["float32", "int8", "bf16"], choices=list(ACTIVATIONS))
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 9, 16, 256])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int)
@@ -79,8 +79,7 @@ def main() -> None:
             for rows in args.rows:
                 us = product_us(linear, rows, args.repeats)
                 cells.append(f"{us:.0f} ({rows * weight.num_rows * weight.num_columns / us / 1e3:.0f})")
-            kind = "int8" if weight.int8_activations else "float32"
-            print(f"| {name} {weight.num_rows}x{weight.num_columns} | {weight.format.name} | {kind} | "
+            print(f"| {name} {weight.num_rows}x{weight.num_columns} | {weight.format.name} | {weight.activations} | "
                   + " | ".join(cells) + " |")
 
 

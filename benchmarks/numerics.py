@@ -6,8 +6,8 @@ which batch invariance makes equal to decoding token by token).
     python benchmarks/numerics.py --model qwen2.5-coder-1.5b --threads 2
 
 Reports, per mode: max |logit difference|, top-1 agreement, and mean KL(float32 || mode) in nats.
-Modes: the GGUF blocks with float32 activations (the default, --dtype auto) and with int8
-activations (--activations int8)."""
+Modes: the GGUF blocks with float32 activations (the default, --dtype auto), with int8
+activations (--activations int8) and with bf16 activations (--activations bf16)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from draftwise.config import SamplingParams  # noqa: E402
 from draftwise.engine import Engine  # noqa: E402
 from draftwise.models import loading  # noqa: E402
-from draftwise.models.linear import use_activations  # noqa: E402
+from draftwise.models.linear import ACTIVATIONS, use_activations  # noqa: E402
 from tests.conftest import PROMPTS  # noqa: E402
 from tests.test_model_parity import prompt_ids  # noqa: E402
 
@@ -36,6 +36,7 @@ def main() -> None:
     parser.add_argument("--model", default="qwen2.5-coder-1.5b")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=24)
+    parser.add_argument("--activations", nargs="+", default=list(ACTIVATIONS), choices=list(ACTIVATIONS))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     reference = loading.load(args.model, dtype="float32", progress=False)
@@ -46,7 +47,7 @@ def main() -> None:
         continuation = Engine(reference).generate(prompt, SamplingParams(max_new_tokens=args.new_tokens)).token_ids
         sequences.append(torch.cat((ids, torch.tensor(continuation, dtype=torch.long))))
     expected = [logits_of(reference.model, ids) for ids in sequences]
-    for activations in ("float32", "int8"):
+    for activations in args.activations:
         use_activations(blocks.model, activations)
         max_diff, agree, kl, count = 0.0, 0, 0.0, 0
         for ids, ref in zip(sequences, expected):

@@ -22,7 +22,8 @@ from tests.test_model_parity import prompt_ids
 # weight format name -> load arguments; "auto" runs SmolLM2's GGUF blocks (Q4_1, Q8_0) as shipped
 FORMATS = {"gguf": {"dtype": "auto"}, "float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"},
            "int8": {"dtype": "float32", "quantize": "int8"}, "int4": {"dtype": "float32", "quantize": "int4"},
-           "gguf-int8-activations": {"dtype": "auto", "activations": "int8"}}
+           "gguf-int8-activations": {"dtype": "auto", "activations": "int8"},
+           "gguf-bf16-activations": {"dtype": "auto", "activations": "bf16"}}
 
 
 @pytest.fixture(scope="module", params=list(FORMATS))
@@ -179,9 +180,10 @@ def test_the_default_format_computes_the_float32_paths_logits(default_target, sm
         assert torch.equal(blocks, dense)
 
 
+@pytest.mark.parametrize("activations", ["int8", "bf16"])
 @pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b"])  # 32-weight blocks; Q4_K, Q6_K, Q5_0
-def test_greedy_speculation_equals_plain_decoding_with_int8_activations(name):
-    target = loading.load(name, auto_fetch=True, progress=False, activations="int8")
+def test_greedy_speculation_equals_plain_decoding_with_rounded_activations(name, activations):
+    target = loading.load(name, auto_fetch=True, progress=False, activations=activations)
     prompts = PROMPTS if name == "smollm2-135m" else PROMPTS[:2]  # the 0.5B: CI budget
     plain = [Engine(target).generate(prompt, GREEDY).token_ids for prompt in prompts]
     engine = Engine(target, NgramDrafter(), 8)

@@ -157,7 +157,7 @@ def test_int8_activations_compute_the_blocks_times_the_rounded_input(kernels, fo
 def test_int8_rows_are_bit_identical_whatever_rows_are_beside_them(kernels, format):
     data, num_columns = real_blocks(format)
     weight = BlockWeight(data, format, num_columns)
-    weight.int8_activations = True
+    weight.activations = "int8"
     torch.manual_seed(1)
     x = torch.randn(80, num_columns)
     alone = torch.cat([weight.matmul(x[i:i + 1]) for i in range(80)])

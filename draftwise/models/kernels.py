@@ -24,7 +24,7 @@ import torch
 from draftwise.models import registry
 
 KERNEL_DIR = Path(__file__).parent / "kernels"
-SOURCES = ("linear.cpp", "int8_linear.cpp", "rowwise.cpp", "decoder.cpp", "module.cpp")
+SOURCES = ("linear.cpp", "int8_linear.cpp", "bf16_linear.cpp", "rowwise.cpp", "decoder.cpp", "module.cpp")
 # DRAFTWISE_KERNEL=0 skips the kernels (PyTorch ops only): for comparisons and for machines where
 # building is unwanted.
 DISABLE_ENV = "DRAFTWISE_KERNEL"
@@ -32,7 +32,7 @@ DISABLE_ENV = "DRAFTWISE_KERNEL"
 
 
 def native_kernels(progress: bool = True) -> ModuleType | None:
-    """The compiled kernels module (blocked_linear, int8_linear, dequantize_rows, rms_norm, silu_mul,
+    """The compiled kernels module (blocked_linear, int8_linear, bf16_linear, dequantize_rows, rms_norm, silu_mul,
     rotary, attention, and Decoder: a model's layers in one call), or None (with one warning saying why) where it cannot be built.
     progress: say on stderr that a first build is under way."""
     if os.environ.get(DISABLE_ENV, "1") == "0":

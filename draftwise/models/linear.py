@@ -18,11 +18,19 @@ activations": on Qwen2.5-1.5B mean KL 0.08 nats, top-1 0.960; on SmolLM2 KL 0.00
 0.968; benchmarks/numerics.py measures it). Float-format weights (F32, F16, BF16) keep
 float32 activations.
 
+`--activations bf16` rounds each linear's input AND the weights' values (the format's own,
+as above) to bfloat16 and sums the products in float32 with AVX-512 BF16's dot product
+(kernels/bf16_linear.cpp): twice the multiply-adds an instruction, so prefill and verify
+forwards of 5+ tokens run up to 1.6x faster while a one-token step costs the same; any weight
+format, still batch-invariant (README, "bf16 activations", gives its closeness to float32).
+
 Without the compiled kernels (no compiler), weights are dequantised to float32 at load and run
 through F.linear: the same values, more memory, and no batch-invariance guarantee.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import numpy as np
 import torch
@@ -44,7 +52,10 @@ NATIVE_FORMATS = frozenset({WeightFormat.F32, WeightFormat.F16, WeightFormat.BF1
                             WeightFormat.Q4_1, WeightFormat.Q5_0, WeightFormat.Q5_1, WeightFormat.Q8_0,
                             WeightFormat.Q4_K, WeightFormat.Q6_K})
 # --activations: what a linear's input is rounded to before it meets the weights.
-ACTIVATIONS = ("float32", "int8")
+ACTIVATIONS = ("float32", "int8", "bf16")
+# The kernel each setting runs (kernels/*_linear.cpp), and the code kernels.Decoder takes for it.
+PRODUCTS = {"float32": "blocked_linear", "int8": "int8_linear", "bf16": "bf16_linear"}
+ACTIVATION_CODES = {"float32": 0, "int8": 1, "bf16": 2}
 # Block formats with an int8-activation path; the others keep float32 activations.
 INT8_FORMATS = frozenset({WeightFormat.Q4_0, WeightFormat.Q4_1, WeightFormat.Q5_0, WeightFormat.Q5_1,
                           WeightFormat.Q8_0, WeightFormat.Q4_K, WeightFormat.Q6_K})
@@ -61,7 +72,7 @@ class BlockWeight(nn.Module):
         self.format = WeightFormat(format)
         self.num_columns = num_columns
         self.kernels = native_kernels(progress=False)
-        self.int8_activations = False  # set by use_activations()
+        self.activations = "float32"  # what matmul rounds x to: set by use_activations()
         if self.kernels is None:  # PyTorch ops need float32 values
             self.register_buffer("data", torch.empty(0, dtype=torch.uint8), persistent=False)
             self.register_buffer("dense", dequantize(data, format, num_columns), persistent=False)
@@ -97,11 +108,12 @@ class BlockWeight(nn.Module):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:  # x [T, num_columns] float32 -> [T, num_rows]
         if self.kernels is None:
             return F.linear(x, self.dense)
-        product = self.kernels.int8_linear if self.int8_activations else self.kernels.blocked_linear
+        product = getattr(self.kernels, PRODUCTS[self.activations])
         return product(x.contiguous(), self.data, int(self.format), self.num_columns)
 
     def extra_repr(self) -> str:
-        return f"{self.num_rows}x{self.num_columns}, {self.format.name}" + (", int8 activations" if self.int8_activations else "")
+        rounded = "" if self.activations == "float32" else f", {self.activations} activations"
+        return f"{self.num_rows}x{self.num_columns}, {self.format.name}{rounded}"
 
 
 class BlockLinear(nn.Module):
@@ -180,21 +192,26 @@ def check_activations(activations: str) -> None:
 
 
 def use_activations(module: nn.Module, activations: str) -> nn.Module:
-    """Make every block-format linear under module round its input to `activations` ("float32"
-    or "int8"); returns module. int8 needs the compiled kernels and block-format weights
-    (a GGUF file's own, or --quantize int8/int4): anything else is a ConfigError naming the fix."""
+    """Make every linear under module round its input to `activations` ("float32", "int8" or
+    "bf16"); returns module. int8 and bf16 need the compiled kernels; int8 also block-format
+    weights (a GGUF file's own, or --quantize int8/int4): anything else is a ConfigError naming
+    the fix. bf16 on a CPU without AVX-512 BF16 runs the same arithmetic slower (one warning)."""
     check_activations(activations)
     weights = [m for m in module.modules() if isinstance(m, BlockWeight)]
-    if activations == "int8":
-        if not weights or weights[0].kernels is None:
-            raise ConfigError("activations='int8' needs draftwise's compiled kernels and the native decoder; "
-                              "drop --activations int8 (see the kernels' warning for how to build them).")
-        if not any(w.format in INT8_FORMATS for w in weights):
-            raise ConfigError("activations='int8' multiplies 8-bit activations with quantized blocks, and this "
-                              "model's weights are all float: use --dtype auto on a GGUF model, or add --quantize "
-                              "int8 / int4.")
+    if activations != "float32" and (not weights or weights[0].kernels is None):
+        raise ConfigError(f"activations='{activations}' needs draftwise's compiled kernels and the native decoder; "
+                          f"drop --activations {activations} (see the kernels' warning for how to build them).")
+    if activations == "int8" and not any(w.format in INT8_FORMATS for w in weights):
+        raise ConfigError("activations='int8' multiplies 8-bit activations with quantized blocks, and this "
+                          "model's weights are all float: use --dtype auto on a GGUF model, or add --quantize "
+                          "int8 / int4, or use --activations bf16.")
+    if activations == "bf16" and not weights[0].kernels.bf16_dot_in_hardware():
+        warnings.warn("this CPU has no AVX-512 BF16 dot product (vdpbf16ps): --activations bf16 computes the same "
+                      "values in float32 instructions, slower than float32 activations. Drop --activations bf16 "
+                      "on this machine.", RuntimeWarning, stacklevel=2)
     for weight in weights:
-        weight.int8_activations = activations == "int8" and weight.format in INT8_FORMATS
+        # float-format weights have no int8 path: they keep float32 activations under int8
+        weight.activations = "float32" if activations == "int8" and weight.format not in INT8_FORMATS else activations
     return module
 
 

@@ -30,7 +30,8 @@ from draftwise.kv_cache import KVCache
 from draftwise.models import ops
 from draftwise.models.base import ModelInfo, Segment
 from draftwise.models.kernels import native_kernels
-from draftwise.models.linear import BlockEmbedding, BlockLinear, BlockWeight, WeightFormat, store_weights
+from draftwise.models.linear import (ACTIVATION_CODES, BlockEmbedding, BlockLinear, BlockWeight, WeightFormat,
+                                     store_weights)
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
 
@@ -176,7 +177,7 @@ class LlamaModel(nn.Module):
         # Run the layers through kernels.Decoder where it is built (one call for all of them);
         # False runs the modules one by one (the reference the tests compare it with).
         self.compiled_layers = True
-        self._decoder = None  # (kernels.Decoder, its weights, their int8_activations when built)
+        self._decoder = None  # (kernels.Decoder, its weights, their activations when built)
 
     @classmethod
     def from_state_dict(cls, shape: DecoderShape, info: ModelInfo, state_dict: dict[str, torch.Tensor],
@@ -331,7 +332,7 @@ class LlamaModel(nn.Module):
             return None
         if self._decoder is not None:
             decoder, weights, settings = self._decoder
-            if [weight.int8_activations for weight in weights] == settings:
+            if [weight.activations for weight in weights] == settings:
                 return decoder
         s = self.shape
         decoder = kernels.Decoder(s.num_heads, s.num_kv_heads, s.head_dim, s.rms_norm_eps)
@@ -342,10 +343,10 @@ class LlamaModel(nn.Module):
                               [linear.weight.data for linear in linears],
                               [int(linear.weight.format) for linear in linears],
                               [linear.weight.num_columns for linear in linears],
-                              [linear.weight.int8_activations for linear in linears],
+                              [ACTIVATION_CODES[linear.weight.activations] for linear in linears],
                               [_NO_BIAS if linear.bias is None else linear.bias for linear in linears])
             weights += [linear.weight for linear in linears]
-        self._decoder = (decoder, weights, [weight.int8_activations for weight in weights])
+        self._decoder = (decoder, weights, [weight.activations for weight in weights])
         return decoder
 
 

@@ -3,8 +3,8 @@
 // One definition of every block format's values, used by both float32-activation paths of
 // linear.cpp: a decode or verify step multiplies each group of 16 weights into every row of x
 // while it is in a register (no float32 copy of the row is written), a prefill stores the
-// groups into a dequantised copy. Both see the same 16 floats per group, so they compute the
-// same products. The values are gguf-py's bit for bit (tests/test_kernels.py): every product
+// groups into a dequantised copy (dequantize_row, at the end). Both see the same 16 floats per
+// group, so they compute the same products; bf16_linear.cpp rounds the same floats to bfloat16. The values are gguf-py's bit for bit (tests/test_kernels.py): every product
 // below is exact in float32 (a float16 scale, times a scale of at most 6 bits, times a
 // quantized value of at most 8 bits, needs more than 24 significant bits only for Q6_K's
 // product, which is then rounded once as numpy rounds it).
@@ -304,6 +304,27 @@ inline void with_blocks(int64_t format, Body body) {
 inline bool is_block_format(int64_t format) {
   return format == Q4_0 || format == Q4_1 || format == Q5_0 || format == Q5_1 || format == Q8_0 ||
          format == Q4_K || format == Q6_K;
+}
+
+// One row of K weights from its format into out (float32), 16 at a time: blocks.h's values.
+inline void dequantize_row(int64_t format, const uint8_t* row, float* out, int64_t K) {
+  switch (format) {
+    case F16:
+      for (int64_t k = 0; k < K; ++k) out[k] = half_to_float(row + 2 * k);
+      return;
+    case BF16:
+      for (int64_t k = 0; k < K; ++k) {
+        uint32_t bits = uint32_t(row[2 * k]) | uint32_t(row[2 * k + 1]) << 8;
+        bits <<= 16;
+        std::memcpy(out + k, &bits, 4);
+      }
+      return;
+  }
+  with_blocks(format, [&](auto blocks) {
+    using B = decltype(blocks);
+    for (int64_t b = 0; b < K / B::WEIGHTS; ++b, row += B::BYTES, out += B::WEIGHTS)
+      B::template decode<1>(&row, [&](int g, const v16* w) { store16(out + 16 * g, w[0]); });
+  });
 }
 
 }  // namespace draftwise

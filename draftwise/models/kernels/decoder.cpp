@@ -12,7 +12,9 @@
 namespace draftwise {
 
 at::Tensor Decoder::Linear::operator()(const at::Tensor& x) const {
-  at::Tensor y = int8_activations ? int8_linear(x, data, format, columns) : blocked_linear(x, data, format, columns);
+  at::Tensor y = activations == 1   ? int8_linear(x, data, format, columns)
+                 : activations == 2 ? bf16_linear(x, data, format, columns)
+                                    : blocked_linear(x, data, format, columns);
   return bias.defined() ? y.add_(bias) : y;  // BlockLinear.forward's out.add_(bias)
 }
 
@@ -25,13 +27,13 @@ Decoder::Decoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, doub
 
 void Decoder::add_layer(const at::Tensor& input_norm, const at::Tensor& post_attention_norm,
                         const std::vector<at::Tensor>& weights, const std::vector<int64_t>& formats,
-                        const std::vector<int64_t>& columns, const std::vector<bool>& int8_activations,
+                        const std::vector<int64_t>& columns, const std::vector<int64_t>& activations,
                         const std::vector<at::Tensor>& biases) {
-  TORCH_CHECK(weights.size() == 7 && formats.size() == 7 && columns.size() == 7 && int8_activations.size() == 7 &&
+  TORCH_CHECK(weights.size() == 7 && formats.size() == 7 && columns.size() == 7 && activations.size() == 7 &&
               biases.size() == 7, "Decoder.add_layer: 7 linears (q, k, v, o, gate, up, down)");
   std::vector<Linear> linears;
   for (size_t i = 0; i < 7; ++i)
-    linears.push_back(Linear{weights[i], formats[i], columns[i], int8_activations[i],
+    linears.push_back(Linear{weights[i], formats[i], columns[i], activations[i],
                              biases[i].numel() ? biases[i] : at::Tensor()});
   layers_.push_back(Layer{input_norm, post_attention_norm, linears[0], linears[1], linears[2], linears[3],
                           linears[4], linears[5], linears[6]});

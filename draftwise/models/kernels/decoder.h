@@ -13,11 +13,11 @@ class Decoder {
   Decoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps);
 
   // One layer: its two norms' weights, then per linear in the order q, k, v, o, gate, up, down:
-  // the weight's bytes, GGML format and column count, whether its input is rounded to int8, and
-  // its bias (an empty tensor: none). The tensors are referenced, not copied.
+  // the weight's bytes, GGML format and column count, what its input is rounded to (0: nothing,
+  // float32; 1: int8; 2: bfloat16, with the weights' values), and its bias (an empty tensor: none). The tensors are referenced, not copied.
   void add_layer(const at::Tensor& input_norm, const at::Tensor& post_attention_norm,
                  const std::vector<at::Tensor>& weights, const std::vector<int64_t>& formats,
-                 const std::vector<int64_t>& columns, const std::vector<bool>& int8_activations,
+                 const std::vector<int64_t>& columns, const std::vector<int64_t>& activations,
                  const std::vector<at::Tensor>& biases);
 
   // x [N, hidden]: every sequence's new rows, flattened; cos / sin [N, head_dim]. Sequence s owns
@@ -35,7 +35,7 @@ class Decoder {
   struct Linear {
     at::Tensor data;
     int64_t format, columns;
-    bool int8_activations;
+    int64_t activations;  // 0 float32, 1 int8, 2 bfloat16
     at::Tensor bias;  // undefined: none
     at::Tensor operator()(const at::Tensor& x) const;
   };

@@ -12,6 +12,11 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& weight, int64_t
 // The same product with each row of x rounded to 8 bits per 32 columns and exact integer dot
 // products (quantized block formats only); see int8_linear.cpp.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, int64_t format, int64_t K);
+// The same product with x and W's values rounded to bfloat16, products summed in float32 (any
+// format); see bf16_linear.cpp. bf16_dot_in_hardware: whether this build has AVX-512 BF16's
+// dot product (otherwise the same arithmetic runs in float32 instructions, slower).
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, int64_t format, int64_t K);
+bool bf16_dot_in_hardware();
 // rows ids [T] of W, dequantised -> [T, K] float32 (an embedding lookup on quantized weights).
 at::Tensor dequantize_rows(const at::Tensor& weight, int64_t format, int64_t K, const at::Tensor& ids);
 // x [T, H] -> x / sqrt(mean(x^2) + eps) * weight, row by row.

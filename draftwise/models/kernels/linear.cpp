@@ -18,6 +18,7 @@
 // threads split the work. Dequantisation reproduces the GGUF reference (gguf-py) bit for bit.
 #include "blocks.h"
 #include "kernels.h"
+#include "tiles.h"
 
 #include <ATen/Parallel.h>
 
@@ -34,42 +35,12 @@ constexpr int ROWS_OF_W = 4;  // weight rows per block: 4 x 6 = 24 accumulators 
 constexpr int ROWS_OF_X = 6;
 constexpr int64_t SKINNY_MAX_ROWS = 32;  // float-format weights, more rows than this: the prefill path
 
-// One row of K weights from its format into out (float32), 16 at a time: blocks.h's values.
-void dequantize_row(int64_t format, const uint8_t* row, float* out, int64_t K) {
-  switch (format) {
-    case F16:
-      for (int64_t k = 0; k < K; ++k) out[k] = half_to_float(row + 2 * k);
-      return;
-    case BF16:
-      for (int64_t k = 0; k < K; ++k) {
-        uint32_t bits = uint32_t(row[2 * k]) | uint32_t(row[2 * k + 1]) << 8;
-        bits <<= 16;
-        std::memcpy(out + k, &bits, 4);
-      }
-      return;
-  }
-  with_blocks(format, [&](auto blocks) {
-    using B = decltype(blocks);
-    for (int64_t b = 0; b < K / B::WEIGHTS; ++b, row += B::BYTES, out += B::WEIGHTS)
-      B::template decode<1>(&row, [&](int g, const v16* w) { store16(out + 16 * g, w[0]); });
-  });
-}
-
 // acc[m][r] for the K % 16 tail and the final sum: shared by both paths, so they agree.
 inline float finish(v16 acc, const float* x, const float* w, int64_t k_vec, int64_t K) {
   float sum = horizontal_sum(acc);
   for (int64_t k = k_vec; k < K; ++k) sum = __builtin_fmaf(x[k], w[k], sum);
   return sum;
 }
-
-// Where a register block's sums start and end: from `partial` or from zero (a first column
-// step), and back into `partial` or, after the last column step, straight into y as finished
-// sums (horizontal_sum's, four at a time): no zeroing pass, no parking, no reloading.
-struct Ends {
-  bool from_zero = false;
-  float* y = nullptr;  // non-null: finish into y[i * y_stride + j] instead of parking in partial
-  int64_t y_stride = 0;
-};
 
 // partial[i * cols + j] (16 lanes) += x row i . w row j over `columns` columns (a multiple of
 // 16), for NUM_X <= 6 x rows (stride x_stride) and NUM_W <= 4 weight rows (stride w_stride) held
@@ -139,14 +110,6 @@ void all_rows(const float* x, const float* w, float* y, int64_t M, int64_t K, in
       default: block<6, NUM_W>(xm, w, ym, K, N); break;
     }
   }
-}
-
-// A per-thread scratch buffer of at least size floats, aligned to 64 bytes (v16 loads).
-float* thread_buffer(int64_t size) {
-  static thread_local std::vector<float> buffer;
-  if (int64_t(buffer.size()) < size + 16) buffer.resize(size + 16);
-  const auto address = reinterpret_cast<uintptr_t>(buffer.data());
-  return reinterpret_cast<float*>((address + 63) & ~uintptr_t(63));
 }
 
 // Few rows on float formats (F32, F16, BF16): each thread takes whole groups of 4 weight rows,
