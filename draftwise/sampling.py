@@ -26,7 +26,12 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     logits = logits.float()
     if params.is_greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / params.temperature
+    # Shifted so the largest logit is 0, and the temperature kept at least float32's smallest
+    # normal (a Python float of 5e-324, which the server's fuzzer sent, is 0 in float32): a
+    # vanishing temperature then gives 0 for the argmax and -inf for the rest, its limit,
+    # instead of NaN. Above 1.2e-38 nothing changes but the rounding of the shift.
+    temperature = max(params.temperature, torch.finfo(torch.float32).tiny)
+    logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature
     if params.top_k > 0 and params.top_k < logits.shape[-1]:
         kth_largest = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))

@@ -42,6 +42,12 @@ def test_low_temperature_sharpens():
     assert torch.allclose(probs, expected / expected.sum(), atol=1e-6)
 
 
+@pytest.mark.parametrize("temperature", [5e-324, 1e-30])  # the server's fuzzer sent 5e-324
+def test_a_vanishing_temperature_is_the_argmax_not_nan(temperature):
+    probs = logits_to_probs(LOGITS, SamplingParams(temperature=temperature))
+    assert probs.tolist() == [1.0, 0, 0, 0, 0, 0]
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
