@@ -66,19 +66,7 @@ inline void micro(const float* x, int64_t x_stride, const float* w, int64_t w_st
       for (int j = 0; j < NUM_W; ++j) acc[i][j] += xs * weights[j];
     }
   }
-  if (ends.y != nullptr) {
-#pragma GCC unroll 8
-    for (int i = 0; i < NUM_X; ++i) {
-      float* out = ends.y + i * ends.y_stride;
-      if constexpr (NUM_W == 4) {
-        const v4 sums = horizontal_sums4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
-        std::memcpy(out, &sums, sizeof sums);
-      } else {
-        for (int j = 0; j < NUM_W; ++j) out[j] = horizontal_sum(acc[i][j]);
-      }
-    }
-    return;
-  }
+  if (ends.y != nullptr) return store_sums<NUM_X, NUM_W>(acc, ends.y, ends.y_stride);
 #pragma GCC unroll 8
   for (int i = 0; i < NUM_X; ++i)
 #pragma GCC unroll 8

@@ -1,5 +1,5 @@
-// What the blocked products share (linear.cpp, bf16_linear.cpp): per-thread scratch memory and
-// where a register block's sums start and end.
+// What the blocked products share (linear.cpp, bf16_linear.cpp): per-thread scratch memory,
+// where a register block's sums start and end, and how they are finished into y.
 #pragma once
 
 #include "vec.h"
@@ -24,5 +24,22 @@ struct Ends {
   float* y = nullptr;  // non-null: finish into y[i * y_stride + j] instead of parking in partial
   int64_t y_stride = 0;
 };
+
+
+// y[i * y_stride + j] = horizontal_sum(acc[i][j]) for NUM_X x NUM_W sums, four at a time where
+// a row has four (horizontal_sums4: the same tree, so the same bits).
+template <int NUM_X, int NUM_W>
+inline void store_sums(v16 (&acc)[NUM_X][NUM_W], float* y, int64_t y_stride) {
+#pragma GCC unroll 16
+  for (int i = 0; i < NUM_X; ++i) {
+    float* out = y + i * y_stride;
+    if constexpr (NUM_W == 4) {
+      const v4 sums = horizontal_sums4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+      std::memcpy(out, &sums, sizeof sums);
+    } else {
+      for (int j = 0; j < NUM_W; ++j) out[j] = horizontal_sum(acc[i][j]);
+    }
+  }
+}
 
 }  // namespace draftwise
