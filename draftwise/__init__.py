@@ -28,7 +28,7 @@ def load(
     draft_length: str = "adaptive",
     cross_vocab_method: str = "auto",
     draft_quantize: str = "auto",
-    activations: str = "float32",
+    activations: str = "auto",
     head: str | None = None,
 ) -> Engine:
     """Load a target model (registry name, local path or hub id) and a drafter into an Engine.
@@ -39,11 +39,13 @@ def load(
     the measured costs say pays off, "fixed" verifies all of it. dtype says how the target's
     weights are stored: "auto" (a GGUF model's own 4-8-bit blocks, as shipped), "float32" or
     "bfloat16"; quantize ("int8" or "int4") re-quantizes them into Q8_0 / Q4_1 blocks. Every
-    format is batch-invariant, so speculation never changes the text. activations="int8" rounds
-    each linear's input to 8 bits per 32 values and multiplies it with the blocks in exact
-    integers: about 2x faster decoding on a GGUF model, logits close to float32 activations;
-    activations="bf16" rounds input and weights to bfloat16 with float32 sums: 1.2-1.6x faster
-    prefill and verify forwards, logits very close to float32's (README, "Weight formats").
+    format is batch-invariant, so speculation never changes the text. activations="auto" (the
+    default) is "bf16" for a GGUF model's own blocks on a CPU with AVX-512 BF16 and "float32"
+    otherwise; "bf16" rounds input and weights to bfloat16 with float32 sums: 1.3-1.6x faster
+    prefill and verify forwards, logits very close to float32's; "float32" computes the file's
+    weights exactly in float32; "int8" rounds each linear's input to 8 bits per 32 values and
+    multiplies it with the blocks in exact integers: about 2x faster decoding on a GGUF model,
+    further from float32 (README, "Defaults, and why"). engine.target.activations says which ran.
 
     drafter="cross-vocab" drafts with a model whose tokenizer differs from the target's
     (draftwise.drafters.cross_vocab); cross_vocab_method picks "string" or "intersection"

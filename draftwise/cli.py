@@ -69,12 +69,14 @@ def _add_engine_flags(cmd) -> None:
                           "float32, bfloat16 (activations: see --activations)")
     cmd.add_argument("--quantize", choices=list(QUANTIZATIONS),
                      help="re-quantize the float weights: int8 (Q8_0 blocks) or int4 (Q4_1 blocks)")
-    cmd.add_argument("--activations", default="float32", choices=list(ACTIVATIONS),
-                     help="float32 (default); int8: each linear's input rounded to 8 bits per 32 values, "
-                          "integer dot products with the GGUF / --quantize blocks (about 2x faster decoding); "
-                          "bf16: input and weights rounded to bfloat16, float32 sums (1.2-1.6x faster prefill "
-                          "and verify forwards, logits very close to float32's). Speculation never changes "
-                          "the output in any of them")
+    cmd.add_argument("--activations", default="auto", choices=list(ACTIVATIONS),
+                     help="what each linear's input is rounded to. auto (default): bf16 for a GGUF model's own "
+                          "blocks on a CPU with AVX-512 BF16, else float32; float32: the file's weights exactly, "
+                          "float32 arithmetic; bf16: input and weights rounded to bfloat16, float32 sums (1.3-1.6x "
+                          "faster prefill and verify forwards, logits very close to float32's); int8: input rounded "
+                          "to 8 bits per 32 values, integer dot products with the GGUF / --quantize blocks (about "
+                          "2x faster decoding, further from float32). Speculation never changes the output in any "
+                          "of them")
 
 
 def _load_engine(args):
@@ -149,6 +151,7 @@ def _serve(args) -> int:
 def _add_bench(subparsers) -> None:
     from draftwise.config import DRAFT_LENGTHS
     from draftwise.drafters import DRAFTERS
+    from draftwise.models.linear import ACTIVATIONS
     from draftwise.models.loading import DTYPES
     from draftwise.models.registry import DEFAULT_MODEL
 
@@ -169,9 +172,12 @@ def _add_bench(subparsers) -> None:
     cmd.add_argument("--quantize", default="int8,int4",
                      help="comma-separated weight formats to add rows for (draftwise plain and ngram, re-quantized); "
                           "'none' for no such rows (default: int8,int4)")
+    cmd.add_argument("--activations", default="auto", choices=list(ACTIVATIONS),
+                     help="the draftwise rows' activations, as for generate (default auto: bf16 for a GGUF model's own "
+                          "blocks on a CPU with AVX-512 BF16, else float32); the report's title says which ran")
     cmd.add_argument("--activation-rows", default="none",
                      help="comma-separated activation modes to add rows for (draftwise plain, ngram, model, eagle, medusa on "
-                          "the same weights): int8; 'none' for no such rows (default)")
+                          "the same weights): float32, bf16, int8; 'none' for no such rows (default)")
     cmd.add_argument("--threads", type=int, help="CPU threads for every method (default: PyTorch's, one per core)")
     cmd.add_argument("--num-draft-tokens", type=int, metavar="K",
                      help="most draft tokens per step (default: 10 for ngram, 5 for model)")
@@ -205,7 +211,7 @@ def _bench(args) -> int:
 
     quick = {"per_category": 1, "max_new_tokens": 32, "repeats": 1, "quantize": ()} if args.quick else {}
     quantize = tuple(name for name in args.quantize.split(",") if name and name != "none")
-    config = BenchConfig(model=args.model, draft_model=args.draft_model, dtype=args.dtype,
+    config = BenchConfig(model=args.model, draft_model=args.draft_model, dtype=args.dtype, activations=args.activations,
                          num_draft_tokens=args.num_draft_tokens, draft_length=args.draft_length,
                          max_new_tokens=quick.get("max_new_tokens", args.max_new_tokens),
                          repeats=quick.get("repeats", args.repeats), with_transformers=not args.no_transformers,
@@ -225,7 +231,8 @@ def _bench(args) -> int:
     import torch
 
     # BenchConfig set the threads every method ran with (torch's default when not given).
-    paths = write_report(args.out, asdict(config) | {"threads": torch.get_num_threads()}, rows, skipped)
+    paths = write_report(args.out, asdict(config) | {"threads": torch.get_num_threads(),
+                                                     "activations": methods[0].engine.target.activations}, rows, skipped)
     print(paths[1].read_text())
     if not any(path.suffix == ".png" for path in paths):
         print("no plots: install matplotlib (pip install -e '.[bench]')", file=sys.stderr)

@@ -12,15 +12,24 @@ from hypothesis import strategies as st
 
 from draftwise.config import SamplingParams
 from draftwise.drafters import ModelDrafter, NgramDrafter
+from draftwise.drafters.eagle import EagleDrafter
+from draftwise.drafters.medusa import MedusaDrafter
 from draftwise.engine import Engine
+from draftwise.errors import ConfigError
+from draftwise.heads import head_for
+from draftwise.heads.eagle import load_head
+from draftwise.heads.medusa import load_medusa
 from draftwise.models import loading
 from draftwise.models.base import Segment
-from draftwise.models.linear import use_activations
+from draftwise.models.kernels import native_kernels
+from draftwise.models.linear import BlockLinear, use_activations
 from tests.conftest import PROMPTS
 from tests.test_model_parity import prompt_ids
 
-# weight format name -> load arguments; "auto" runs SmolLM2's GGUF blocks (Q4_1, Q8_0) as shipped
-FORMATS = {"gguf": {"dtype": "auto"}, "float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"},
+# weight format name -> load arguments; "auto" runs SmolLM2's GGUF blocks (Q4_1, Q8_0) as shipped. Each
+# names its activations: the default ("auto") depends on the CPU.
+FORMATS = {"gguf": {"dtype": "auto", "activations": "float32"}, "float32": {"dtype": "float32"},
+           "bfloat16": {"dtype": "bfloat16"},
            "int8": {"dtype": "float32", "quantize": "int8"}, "int4": {"dtype": "float32", "quantize": "int4"},
            "gguf-int8-activations": {"dtype": "auto", "activations": "int8"},
            "gguf-bf16-activations": {"dtype": "auto", "activations": "bf16"}}
@@ -131,7 +140,7 @@ def test_the_compiled_layers_add_the_biases(qwen_0_5b):  # Qwen2's q, k, v proje
 def test_the_compiled_layers_follow_a_change_of_activations():
     # use_activations after a forward switches the linears to int8: the compiled decoder must be
     # rebuilt with them, not keep running float32 activations.
-    model = loading.load("smollm2-135m", auto_fetch=True, progress=False).model
+    model = loading.load("smollm2-135m", auto_fetch=True, progress=False, activations="float32").model
     float32_results, _ = batched_forward(model, compiled=True)
     use_activations(model, "int8")
     int8_results, _ = batched_forward(model, compiled=True)
@@ -142,10 +151,23 @@ def test_the_compiled_layers_follow_a_change_of_activations():
 
 @pytest.fixture(scope="module")
 def default_target():
-    """SmolLM2 as `draftwise generate` loads it: --dtype auto, its GGUF blocks (Q4_1, Q8_0)."""
+    """SmolLM2 as `draftwise generate` loads it: --dtype auto, its GGUF blocks (Q4_1, Q8_0), and
+    --activations auto: bf16 where the CPU has AVX-512 BF16 (both kinds of this project's
+    machines), else float32."""
     target = loading.load("smollm2-135m", auto_fetch=True, progress=False)
     assert target.model.model.layers[0].mlp.down_proj.weight.format.name == "Q4_1"
     return target
+
+
+def test_the_default_activations_are_bf16_on_a_gguf_models_own_blocks_where_the_cpu_has_its_dot_product(
+        default_target, smollm2):
+    expected = "bf16" if native_kernels(progress=False).bf16_dot_in_hardware() else "float32"
+    assert default_target.activations == expected
+    assert {m.weight.activations for m in default_target.model.modules() if isinstance(m, BlockLinear)} == {expected}
+    assert smollm2.activations == "float32"  # --dtype float32 keeps float32 arithmetic
+    assert {m.weight.activations for m in smollm2.model.modules() if isinstance(m, BlockLinear)} == {"float32"}
+    with pytest.raises(ConfigError, match="not 'auto'"):
+        use_activations(smollm2.model, "auto")
 
 
 GREEDY = SamplingParams(max_new_tokens=24)
@@ -156,26 +178,38 @@ def default_plain_outputs(default_target) -> list[list[int]]:
     return [Engine(default_target).generate(prompt, GREEDY).token_ids for prompt in PROMPTS]
 
 
-# (The float32 tests in test_greedy_equality.py cover k in {1, 3, 8} (ngram) and 3 (model); the default format
-# computes the float32 path's logits bit for bit on SmolLM2, the last test here.)
-@pytest.mark.parametrize("drafter", ["ngram", "model"])
-@pytest.mark.parametrize("num_draft_tokens", [1, 8])
+def default_drafter(name: str, target):
+    model = target.model
+    if name == "ngram":
+        return NgramDrafter()
+    if name == "model":
+        return ModelDrafter(model.truncated(27))
+    if name == "eagle":  # trees: top 8 children, 6 deep
+        return EagleDrafter(load_head(head_for("smollm2-135m", "eagle"), model), model, top_k=8, depth=6)
+    return MedusaDrafter(load_medusa(head_for("smollm2-135m", "medusa"), model), model, top_k=6, beam=12)
+
+
+# (The float32 tests in test_greedy_equality.py and test_heads.py cover more k; with float32
+# activations the default blocks compute the float32 path's logits bit for bit, the last test here.)
+# k: most draft tokens (tree nodes for eagle and medusa); the 27-layer draft model is too slow for 16.
+@pytest.mark.parametrize(("drafter", "num_draft_tokens"),
+                         [(name, k) for name in ("ngram", "model", "eagle", "medusa") for k in (1, 8, 16)
+                          if (name, k) != ("model", 16)])
 def test_greedy_speculation_equals_plain_decoding_in_the_default_format(default_target, default_plain_outputs,
                                                                         drafter, num_draft_tokens):
-    proposer = NgramDrafter() if drafter == "ngram" else ModelDrafter(default_target.model.truncated(27))
-    engine = Engine(default_target, proposer, num_draft_tokens)
+    engine = Engine(default_target, default_drafter(drafter, default_target), num_draft_tokens)
     results = [engine.generate(prompt, GREEDY) for prompt in PROMPTS]
     assert [result.token_ids for result in results] == default_plain_outputs
     assert sum(result.metrics.num_accepted_tokens for result in results) > 0  # speculation really happened
 
 
-def test_the_default_format_computes_the_float32_paths_logits(default_target, smollm2):
+def test_the_gguf_blocks_with_float32_activations_compute_the_float32_paths_logits(smollm2):
     # SmolLM2's blocks dequantise exactly to the float32 path's weights (gguf-py's arithmetic),
     # and both run the same kernel arithmetic: the logits are the same bits.
-
+    gguf = loading.load("smollm2-135m", progress=False, activations="float32")
     for prompt in PROMPTS[:4]:
         ids = prompt_ids(smollm2.tokenizer, prompt)
-        blocks = default_target.model.forward(ids, torch.arange(ids.shape[0]), default_target.model.new_cache(ids.shape[0]))
+        blocks = gguf.model.forward(ids, torch.arange(ids.shape[0]), gguf.model.new_cache(ids.shape[0]))
         dense = smollm2.model.forward(ids, torch.arange(ids.shape[0]), smollm2.model.new_cache(ids.shape[0]))
         assert torch.equal(blocks, dense)
 

@@ -46,6 +46,7 @@ class BenchConfig:
     transformers_dtype: str | None = None
     with_llama_cpp: bool = True  # when llama-cpp-python is installed and the model has a GGUF file
     quantize: tuple[str, ...] = ()  # extra rows: draftwise plain and ngram with these weight formats
+    activations: str = "auto"  # the main draftwise rows' (loading.load's; "auto" resolved in the report's title)
     activation_rows: tuple[str, ...] = ()  # extra rows: plain and each drafter (ngram, model, eagle, medusa) on the same weights, these activations
     threads: int | None = None  # None: torch's current setting
     cross_vocab_draft: str | None = None  # a draft model with another tokenizer (cross-vocab rows, transformers UAG)
@@ -60,7 +61,7 @@ class BenchConfig:
             loading.parse_dtype(self.transformers_dtype)  # a ConfigError naming the choices
         for name in self.quantize:
             check_quantize(name)
-        for name in self.activation_rows:
+        for name in (self.activations, *self.activation_rows):
             check_activations(name)
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"threads={self.threads}: give at least 1.")
@@ -76,7 +77,8 @@ def build_methods(config: BenchConfig, progress: bool = True) -> tuple[list[Meth
     (transformers, llama.cpp). Returns the methods and notes on what was skipped and why."""
     if config.threads is not None:
         torch.set_num_threads(config.threads)
-    target = loading.load(config.model, dtype=config.dtype, auto_fetch=True, progress=progress)
+    target = loading.load(config.model, dtype=config.dtype, auto_fetch=True, progress=progress,
+                          activations=config.activations)
     skipped: list[str] = []
     methods = _draftwise_methods(target, config, "", list(config.drafters or DRAFTERS), skipped, progress)
     for activations in config.activation_rows:

@@ -20,7 +20,8 @@ from draftwise.models.base import ModelInfo
 from draftwise.models.hf import HFModel, load_hf_model
 from draftwise.models.gguf_weights import read_blocks
 from draftwise.models.kernels import native_kernels
-from draftwise.models.linear import WeightFormat, check_activations, check_quantize, use_activations
+from draftwise.models.linear import (WeightFormat, check_activations, check_quantize, default_activations,
+                                     use_activations)
 from draftwise.models.llama import SUPPORTED_ARCHITECTURES, DecoderShape, LlamaModel
 
 # --dtype: how the native decoder stores weights (activations: --activations, models/linear.py).
@@ -35,6 +36,7 @@ class LoadedModel:
     model: LlamaModel | HFModel
     tokenizer: object  # a transformers tokenizer
     folder: Path  # the HF folder the weights came from
+    activations: str = "float32"  # what the linears round their input to (--activations, "auto" resolved)
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -90,12 +92,14 @@ def resolve(spec: str, auto_fetch: bool = False, progress: bool = True) -> Path:
 
 
 def load(spec: str, dtype: str = "auto", auto_fetch: bool = False, progress: bool = True,
-         quantize: str | None = None, activations: str = "float32") -> LoadedModel:
+         quantize: str | None = None, activations: str = "auto") -> LoadedModel:
     """Load spec as a native model with its tokenizer. dtype says how weights are stored
     ("auto": a GGUF model's own blocks, else float32; "float32"; "bfloat16"); quantize ("int8"
     or "int4") re-quantizes the float weights into Q8_0 / Q4_1 blocks instead. activations:
-    "float32", or "int8" (each linear's input rounded to 8 bits per 32 values, integer dot
-    products against the blocks: faster, close to float32; models/linear.py). Architectures the
+    "float32", "int8" (each linear's input rounded to 8 bits per 32 values, integer dot products
+    against the blocks: faster, close to float32), "bf16" (input and weights rounded to bfloat16,
+    float32 sums) or "auto" (bf16 for a GGUF model's own blocks on a CPU with AVX-512 BF16, else
+    float32: linear.default_activations); the result's .activations says which. Architectures the
     native decoder lacks (e.g. Gemma 3) load through transformers instead (models/hf.py)."""
     from transformers import AutoConfig, AutoTokenizer
     from safetensors.torch import load_file
@@ -109,7 +113,7 @@ def load(spec: str, dtype: str = "auto", auto_fetch: bool = False, progress: boo
     with tqdm(total=3, desc=f"loading {spec}", unit="step", disable=not progress, leave=False) as bar:
         config = AutoConfig.from_pretrained(folder)
         if config.model_type not in SUPPORTED_ARCHITECTURES:
-            if activations != "float32":
+            if activations not in ("auto", "float32"):
                 raise ConfigError(f"--activations {activations} needs the native decoder, which does not implement "
                                   f"{config.model_type!r} ({spec} loads through transformers): drop --activations.")
             return _load_through_transformers(spec, folder, config, torch_dtype, quantize)
@@ -134,9 +138,11 @@ def load(spec: str, dtype: str = "auto", auto_fetch: bool = False, progress: boo
         model = LlamaModel.from_blocks(shape, info, weights)
     else:
         model = LlamaModel.from_state_dict(shape, info, weights, DTYPES[dtype] or WeightFormat.F32, quantize)
+    if activations == "auto":
+        activations = default_activations(own_blocks=gguf_file is not None)
     use_activations(model, activations)
     del weights  # the model copied them out of the mapped files: let the mappings go
-    return LoadedModel(model, tokenizer, folder)
+    return LoadedModel(model, tokenizer, folder, activations)
 
 
 def runs_natively(spec: str, progress: bool = True) -> bool:
