@@ -72,5 +72,5 @@ def test_bf16_activations_run_float_weights_and_refuse_unknown_settings(kernels)
     use_activations(layer, "bf16")  # any format: no block weights needed, unlike int8
     x = torch.randn(3, 64)
     assert torch.equal(layer(x), dot_pairs_reference(x, layer.weight.rows(torch.arange(8))))
-    with pytest.raises(ConfigError, match="use one of float32, int8, bf16"):
+    with pytest.raises(ConfigError, match="use one of auto, float32, int8, bf16"):
         use_activations(layer, "fp8")

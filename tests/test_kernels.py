@@ -189,7 +189,7 @@ def test_int8_activations_need_block_weights(kernels):
     float_layer = BlockLinear(BlockWeight.from_float(torch.randn(8, 64), WeightFormat.F32))
     with pytest.raises(ConfigError, match="--quantize int8"):
         use_activations(float_layer, "int8")
-    with pytest.raises(ConfigError, match="use one of float32, int8"):
+    with pytest.raises(ConfigError, match="use one of auto, float32, int8"):
         use_activations(float_layer, "int4")
     with pytest.raises(RuntimeError, match="no int8 path"):
         kernels.int8_linear(torch.randn(2, 64), float_layer.weight.data, int(WeightFormat.F32), 64)
