@@ -6,7 +6,9 @@
 Run each format in its own process (--dtype takes one value per run, so peak RSS is that
 format's alone) or several in one (their memory adds up). --activations int8 times the int8-
 activation kernel; --llama-cpp times llama.cpp (llama-cpp-python) on the model's GGUF file the
-same way instead: the same cache length, token counts and prefill."""
+same way instead: the same cache length, token counts and prefill. --activations defaults to
+the library's own default (auto: bf16 on a GGUF model's blocks where the CPU has AVX-512 BF16);
+--activations float32 times the exact float32 arithmetic."""
 
 from __future__ import annotations
 
@@ -75,7 +77,8 @@ def main() -> None:
     parser.add_argument("--model", default="qwen2.5-coder-1.5b")
     parser.add_argument("--dtype", nargs="+", default=["auto"])
     parser.add_argument("--quantize", default=None)
-    parser.add_argument("--activations", default="float32", choices=list(ACTIVATIONS))
+    parser.add_argument("--activations", default="auto", choices=list(ACTIVATIONS),
+                        help="as draftwise generate's (default auto: the library's default; the output says which ran)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prefill", type=int, default=2048)
     parser.add_argument("--llama-cpp", action="store_true", help="time llama.cpp on the GGUF file instead")
@@ -85,8 +88,9 @@ def main() -> None:
         return llama_cpp_costs(args.model, args.threads, args.prefill)
     for dtype in args.dtype:
         tic = time.perf_counter()
-        model = loading.load(args.model, dtype=dtype, quantize=args.quantize, progress=False,
-                             activations=args.activations).model
+        loaded = loading.load(args.model, dtype=dtype, quantize=args.quantize, progress=False,
+                              activations=args.activations)
+        model = loaded.model
         load_s = time.perf_counter() - tic
         costs = {n: forward_ms(model, n) for n in (1, 2, 4, 9, 16)}
         one = costs[1]
@@ -94,7 +98,7 @@ def main() -> None:
         ratios = " / ".join(f"{costs[n] / one:.2f}x" for n in costs)
         rate = prefill_rate(model, args.prefill) if args.prefill else float("nan")
         rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        print(f"{args.model} dtype={dtype} quantize={args.quantize} activations={args.activations}: load {load_s:.1f} s | forward ms for "
+        print(f"{args.model} dtype={dtype} quantize={args.quantize} activations={loaded.activations}: load {load_s:.1f} s | forward ms for "
               f"1/2/4/9/16 tokens: {row} ({ratios}) | prefill {args.prefill} tokens: {rate:.0f} tok/s | "
               f"peak RSS {rss_mb:.0f} MB", flush=True)
 

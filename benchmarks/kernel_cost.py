@@ -25,7 +25,7 @@ import torch
 
 from draftwise.errors import ConfigError
 from draftwise.models import loading
-from draftwise.models.linear import ACTIVATIONS, BlockLinear, use_activations
+from draftwise.models.linear import SETTINGS, BlockLinear, use_activations
 
 
 def matrices(model) -> dict[str, BlockLinear]:
@@ -55,7 +55,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtype", default="auto", help="how weights are stored (auto: the GGUF file's blocks)")
-    parser.add_argument("--activations", nargs="+", default=["float32", "int8", "bf16"], choices=list(ACTIVATIONS))
+    parser.add_argument("--activations", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 9, 16, 256])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int)

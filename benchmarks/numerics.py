@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from draftwise.config import SamplingParams  # noqa: E402
 from draftwise.engine import Engine  # noqa: E402
 from draftwise.models import loading  # noqa: E402
-from draftwise.models.linear import ACTIVATIONS, use_activations  # noqa: E402
+from draftwise.models.linear import SETTINGS, use_activations  # noqa: E402
 from tests.conftest import PROMPTS  # noqa: E402
 from tests.test_model_parity import prompt_ids  # noqa: E402
 
@@ -36,7 +36,7 @@ def main() -> None:
     parser.add_argument("--model", default="qwen2.5-coder-1.5b")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=24)
-    parser.add_argument("--activations", nargs="+", default=list(ACTIVATIONS), choices=list(ACTIVATIONS))
+    parser.add_argument("--activations", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     reference = loading.load(args.model, dtype="float32", progress=False)

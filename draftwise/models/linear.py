@@ -51,9 +51,10 @@ INT4_KEEP_INT8 = ("lm_head",)
 NATIVE_FORMATS = frozenset({WeightFormat.F32, WeightFormat.F16, WeightFormat.BF16, WeightFormat.Q4_0,
                             WeightFormat.Q4_1, WeightFormat.Q5_0, WeightFormat.Q5_1, WeightFormat.Q8_0,
                             WeightFormat.Q4_K, WeightFormat.Q6_K})
-# --activations: what a linear's input is rounded to before it meets the weights ("auto": see
-# default_activations).
-ACTIVATIONS = ("auto", "float32", "int8", "bf16")
+# What a linear's input is rounded to before it meets the weights; --activations also takes
+# "auto" (default_activations chooses one of these).
+SETTINGS = ("float32", "int8", "bf16")
+ACTIVATIONS = ("auto", *SETTINGS)
 # The kernel each setting runs (kernels/*_linear.cpp), and the code kernels.Decoder takes for it.
 PRODUCTS = {"float32": "blocked_linear", "int8": "int8_linear", "bf16": "bf16_linear"}
 ACTIVATION_CODES = {"float32": 0, "int8": 1, "bf16": 2}
