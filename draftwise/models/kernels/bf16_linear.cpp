@@ -127,14 +127,8 @@ template <>
 struct Rounded<Blocks<Q4_K>> {
   template <int R, typename Use>
   static DRAFTWISE_ALWAYS_INLINE void decode(const uint8_t* const* block, Use use) {
-    alignas(64) float scaled[R][16];  // per row: d * scale_j in 0..7, dmin * min_j in 8..15 (as blocks.h)
-    for (int r = 0; r < R; ++r) {
-      alignas(16) uint8_t scales[16];
-      q4k_scales(block[r] + 4, scales);
-      const v16 d = splat_half(block[r]), dmin = splat_half(block[r] + 2);
-      const v16 both = __builtin_shufflevector(d, dmin, 0, 1, 2, 3, 4, 5, 6, 7, 24, 25, 26, 27, 28, 29, 30, 31);
-      store16(scaled[r], to_float(widen(scales)) * both);
-    }
+    alignas(64) float scaled[R][16];
+    for (int r = 0; r < R; ++r) q4k_scaled(block[r], scaled[r]);
     const __m512i nibble = _mm512_set1_epi16(15), second = _mm512_set1_epi16(16);
 #pragma GCC unroll 4
     for (int pair = 0; pair < 4; ++pair) {

@@ -107,6 +107,17 @@ inline void q4k_scales(const uint8_t* packed, uint8_t* out) {
   std::memcpy(out, o, 16);
 }
 
+// A Q4_K block's d * scale_j (out[0..7]) and dmin * min_j (out[8..15]), j = its 8 sub-blocks:
+// each sub-block's weights are scale * q - min, so a table of them is one multiply-add with
+// broadcast operands.
+DRAFTWISE_ALWAYS_INLINE void q4k_scaled(const uint8_t* block, float* out) {
+  alignas(16) uint8_t scales[16];
+  q4k_scales(block + 4, scales);
+  const v16 d = splat_half(block), dmin = splat_half(block + 2);
+  const v16 both = __builtin_shufflevector(d, dmin, 0, 1, 2, 3, 4, 5, 6, 7, 24, 25, 26, 27, 28, 29, 30, 31);
+  store16(out, to_float(widen(scales)) * both);
+}
+
 template <int64_t FORMAT>
 struct Blocks;
 
@@ -201,16 +212,8 @@ struct Blocks<Q4_K> {
   static constexpr int64_t WEIGHTS = 256, BYTES = 144;
   template <int R, typename Use>
   static DRAFTWISE_ALWAYS_INLINE void decode(const uint8_t* const* block, Use use) {
-    // per row: d * scale_j in 0..7, dmin * min_j in 8..15; kept in memory, so that each
-    // table below is one multiply-add with broadcast operands
-    alignas(64) float scaled[R][16];
-    for (int r = 0; r < R; ++r) {
-      alignas(16) uint8_t scales[16];
-      q4k_scales(block[r] + 4, scales);
-      const v16 d = splat_half(block[r]), dmin = splat_half(block[r] + 2);
-      const v16 both = __builtin_shufflevector(d, dmin, 0, 1, 2, 3, 4, 5, 6, 7, 24, 25, 26, 27, 28, 29, 30, 31);
-      store16(scaled[r], to_float(widen(scales)) * both);
-    }
+    alignas(64) float scaled[R][16];  // per row, in memory: the tables' operands are broadcasts
+    for (int r = 0; r < R; ++r) q4k_scaled(block[r], scaled[r]);
 #pragma GCC unroll 4
     for (int pair = 0; pair < 4; ++pair) {
       v16 table[R], w[R];
