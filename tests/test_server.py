@@ -242,6 +242,15 @@ def test_a_completion_prompt_beyond_the_context_names_both_numbers(server):
     assert "8190" in message and "8192" in message and "prompt (" in message
 
 
+def test_a_completion_prompt_the_tokenizer_drops_entirely_gets_a_400(server):
+    # CI's schemathesis run sent {"prompt": "\x16"}: SmolLM2's tokenizer gives no tokens for it,
+    # and the empty prefill failed inside the forward (503).
+    response = httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60,
+                          json={"prompt": "\x16", "max_tokens": 4})
+    assert response.status_code == 400, response.text
+    assert "no tokens" in response.json()["error"]["message"]
+
+
 def test_the_queue_limit_answers_429_with_retry_after(engine):
     with ServerThread(engine, max_batch=1, max_queue=1) as small:
         body = {"prompt": "Count to one hundred:", "max_tokens": 64, "temperature": 0}
