@@ -85,11 +85,7 @@ class Engine:
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise PromptError("the prompt is empty: give some text to continue.")
-            ids = list(self.tokenizer.encode(prompt))
-            if not ids:  # e.g. only control characters the tokenizer drops
-                raise PromptError(f"the prompt {prompt[:40]!r} has no tokens for {self.target.model.info.name}'s "
-                                  "tokenizer (it drops those characters): give some text to continue.")
-            return ids
+            return list(self.tokenizer.encode(prompt))
         if not prompt or not any(m.get("content", "").strip() for m in prompt):
             raise PromptError("the chat has no message with content: add at least one message.")
         if not self.tokenizer.chat_template:
@@ -122,8 +118,9 @@ class Engine:
         engine's; 0 decodes plainly)."""
         model = self.target.model
         max_context = model.info.max_context
-        if not prompt_ids:
-            raise PromptError("the prompt has no tokens: give at least one token to continue.")
+        if not prompt_ids:  # e.g. a text of control characters the tokenizer drops
+            raise PromptError(f"the prompt has no tokens for {model.info.name}'s tokenizer (it drops some "
+                              "characters, such as control characters): give some text to continue.")
         if len(prompt_ids) >= max_context:
             raise PromptError(
                 f"the prompt has {len(prompt_ids)} tokens but {model.info.name} reads at most "

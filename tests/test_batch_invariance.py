@@ -152,8 +152,8 @@ def test_the_compiled_layers_follow_a_change_of_activations():
 @pytest.fixture(scope="module")
 def default_target():
     """SmolLM2 as `draftwise generate` loads it: --dtype auto, its GGUF blocks (Q4_1, Q8_0), and
-    --activations auto: bf16 where the CPU has AVX-512 BF16 (both kinds of this project's
-    machines), else float32."""
+    --activations auto: bf16 where the CPU has AVX-512 BF16 (the AMX Intels and the AMD EPYCs),
+    else float32 (e.g. an Ice Lake Xeon)."""
     target = loading.load("smollm2-135m", auto_fetch=True, progress=False)
     assert target.model.model.layers[0].mlp.down_proj.weight.format.name == "Q4_1"
     return target
