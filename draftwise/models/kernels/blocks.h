@@ -274,6 +274,7 @@ struct Blocks<Q6_K> {
       const vi16 sc = widen_signed(reinterpret_cast<const int8_t*>(block[r]) + 192);
       store16(scale[r], splat_half(block[r] + 208) * to_float(sc));
     }
+    in_memory(scale);
 #pragma GCC unroll 2
     for (int half = 0; half < 2; ++half) {
       alignas(64) int8_t q[R][128];

@@ -35,6 +35,15 @@ inline v16 in_register(v16 v) {
   return v;
 }
 
+// values, read from memory from here on: GCC would otherwise keep an array of scales it has
+// just stored in a register and broadcast each one with a lane permute (one more instruction
+// per 16 weights) instead of a multiply's broadcast operand from memory (free). Values are
+// untouched.
+template <typename T>
+inline void in_memory(T& values) {
+  asm("" : "+m"(values));
+}
+
 inline float horizontal_sum(v16 v) {
   v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
          __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
