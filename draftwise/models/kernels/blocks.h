@@ -214,6 +214,7 @@ struct Blocks<Q4_K> {
   static DRAFTWISE_ALWAYS_INLINE void decode(const uint8_t* const* block, Use use) {
     alignas(64) float scaled[R][16];  // per row, in memory: the tables' operands are broadcasts
     for (int r = 0; r < R; ++r) q4k_scaled(block[r], scaled[r]);
+    in_memory(scaled);
 #pragma GCC unroll 4
     for (int pair = 0; pair < 4; ++pair) {
       v16 table[R], w[R];
