@@ -43,9 +43,13 @@ REQUEST_MEMORY = 0.1
 
 
 class DraftLengthPolicy:
-    def __init__(self, forward_s: dict[int, float] | None = None) -> None:
+    def __init__(self, forward_s: dict[int, float] | None = None, pool: "DraftLengthPolicy | None" = None) -> None:
         """forward_s: a forward-cost table to share (the batch's, draftwise.controller); the
-        costs are the machine's, the acceptance evidence this policy's own."""
+        costs are the machine's, the acceptance evidence this policy's own. pool: a policy that
+        also receives every verdict of this one (and of its siblings: the batch controller's), whose
+        acceptance is this one's prior instead of PRIOR_ACCEPTANCE: a request that joins a batch
+        starts from what the batch's drafts of the same kind have been doing lately."""
+        self.pool = pool
         # tokens scored -> running mean seconds
         self.forward_s: dict[int, float] = {} if forward_s is None else forward_s
         self.draft_s: dict[int, float] = {}  # tokens drafted -> running mean seconds (sequential drafters)
@@ -129,11 +133,14 @@ class DraftLengthPolicy:
             counts = positions[position]
             counts[0] = DECAY * counts[0] + (position < num_accepted)
             counts[1] = DECAY * counts[1] + 1.0
+        if self.pool is not None:
+            self.pool.observe_verdict(key, num_proposed, num_accepted)
 
     def _acceptance(self, key: Hashable, position: int) -> float:
         positions = self.acceptance.get(key, [])
         accepted, reached = positions[position] if position < len(positions) else (0.0, 0.0)
-        return (accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (reached + PRIOR_WEIGHT)
+        prior = PRIOR_ACCEPTANCE if self.pool is None else self.pool._acceptance(key, position)
+        return (accepted + prior * PRIOR_WEIGHT) / (reached + PRIOR_WEIGHT)
 
 
 def _smooth_into(costs: dict[int, float], size: int, seconds: float) -> None:

@@ -55,7 +55,8 @@ def run_step(model, sequences: list[Sequence], controller: BatchController | Non
         completing = sum(seq.num_prefilled + len(chunks[id(seq)]) == len(seq.prompt_ids)
                          for seq in live if seq.prefilling)
         choices = [(seq.policy, draft) for seq, draft in zip(decoding, drafts)]
-        allocation = controller.allocate(choices, len(decoding) + report.num_prefill_rows, len(decoding) + completing)
+        allocation = controller.allocate(choices, len(decoding) + report.num_prefill_rows, len(decoding) + completing,
+                                         report.num_prefill_rows)
         drafts = [draft.trimmed(size) if size < draft.tokens.shape[0] else draft
                   for draft, size in zip(drafts, allocation.sizes)]
     report.draft_tokens_chosen = [draft.tokens.shape[0] for draft in drafts]

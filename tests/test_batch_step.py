@@ -13,6 +13,7 @@ import torch
 
 from draftwise import SamplingParams
 from draftwise.controller import BatchController
+from draftwise.draft_length import DraftLengthPolicy
 from draftwise.drafters.base import Draft, fork_drafter
 from draftwise.drafters.ngram import NgramDrafter
 from draftwise.engine import Engine, NoDrafter, result_of
@@ -203,6 +204,39 @@ def test_controller_drafts_long_alone_less_under_load_and_nothing_when_it_cannot
     assert means[-1] == 0  # 64 rows already cost every row: no draft can pay
     # Unmeasured machine: measure a plain step first.
     assert BatchController().allocate([(policy, _chain(6, "good"))] * 4, 4, 4).sizes == [0] * 4
+
+
+def test_controller_charges_drafts_beside_a_prefill_chunk_their_own_rows_not_the_chunks():
+    controller = BatchController()
+    # Past 16 rows every row costs (compute-bound), as beside a 128-row prefill chunk.
+    for rows, ms in ((1, 10), (8, 15), (16, 20), (32, 40), (64, 80), (128, 160), (256, 320)):
+        controller.observe_forward(rows, ms / 1000)
+    policy = DraftLengthPolicy(forward_s=controller.forward_s)  # no pooled prior: the accounting alone
+    for _ in range(30):  # the first draft token is nearly always accepted, the rest almost never
+        policy.observe_verdict("first", 6, 1)
+    drafts = [(policy, _chain(6, "first"))]
+    alone = controller.allocate(drafts, 1, 1).sizes
+    beside_chunk = controller.allocate(drafts, 1 + 128, 1, num_prefill_rows=128).sizes
+    assert alone == [1]
+    # Charging the chunk's 150 ms to one decoded token made five more rows at 1.25 ms each, for
+    # about 0.2 expected tokens, look like a bargain; they are not.
+    assert beside_chunk == alone
+    assert controller.allocate(drafts, 1 + 128, 1).sizes == [6]  # what the old accounting chose
+
+
+def test_a_request_starts_from_what_its_batch_mates_drafts_of_the_same_kind_did():
+    controller = BatchController()
+    first, joining = controller.new_policy(), controller.new_policy()
+    fresh = BatchController().new_policy()
+    assert joining.expected_gains("short", 1, None) == fresh.expected_gains("short", 1, None)
+    for _ in range(20):  # the batch's drafts of this kind keep failing...
+        first.observe_verdict("short", 4, 0)
+        first.observe_verdict("long", 4, 4)  # ...and of that kind keep passing
+    [short], [long] = joining.expected_gains("short", 1, None), joining.expected_gains("long", 1, None)
+    [prior] = fresh.expected_gains("short", 1, None)
+    assert short < 0.2 < prior < long  # without any verdict of its own
+    joining.observe_verdict("short", 4, 4)  # its own evidence still moves it
+    assert joining.expected_gains("short", 1, None)[0] > short
 
 
 def test_controller_prefers_the_sequence_whose_drafts_get_accepted():
