@@ -7,6 +7,8 @@ it suits draft models and experiments more than big targets. Rolling back crops 
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from draftwise.errors import ModelLoadError
@@ -35,6 +37,9 @@ class HFModel:
     def __init__(self, model, info: ModelInfo) -> None:
         self.model = model.eval()
         self.info = info
+        # The cache's keyword: `cache` in recent transformers 5 releases (which warn that
+        # `past_key_values` goes in 5.40), `past_key_values` in the earlier ones pyproject allows.
+        self.cache_keyword = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     @property
     def dtype(self) -> torch.dtype:
@@ -63,8 +68,8 @@ class HFModel:
             input_ids=tokens[None],
             position_ids=positions[None],
             cache_position=torch.arange(start, start + tokens.shape[0]),
-            past_key_values=cache.inner,
             use_cache=True,
+            **{self.cache_keyword: cache.inner},
             logits_to_keep=num_logits or 0,  # 0: all
         )
         return output.logits[0].float()
