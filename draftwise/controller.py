@@ -82,12 +82,14 @@ class BatchController:
         if not self.forward_s:  # measure a plain step first: every rate is compared with it
             return Allocation(sizes, float(num_fixed_tokens), num_fixed_rows)
         decoding_rows = num_fixed_rows - num_prefill_rows
+        fixed_s = self.cost(num_fixed_rows)
+        decoding_s = self.cost(decoding_rows) if num_prefill_rows and decoding_rows else None
 
         def charged(num_draft_rows: int) -> float:  # seconds charged to decoding
-            if not num_prefill_rows or not decoding_rows:
-                return self.cost(num_fixed_rows + num_draft_rows)
-            added = self.cost(num_fixed_rows + num_draft_rows) - self.cost(num_fixed_rows)
-            return self.cost(decoding_rows) + max(0.0, added)  # noisy costs may dip: never below the rows'
+            total = self.cost(num_fixed_rows + num_draft_rows) if num_draft_rows else fixed_s
+            if decoding_s is None:
+                return total
+            return decoding_s + max(0.0, total - fixed_s)  # noisy costs may dip: never below the rows'
 
         ranked = []  # (gain, sequence index)
         for index, (policy, draft) in enumerate(drafts):

@@ -46,8 +46,9 @@ class DraftLengthPolicy:
     def __init__(self, forward_s: dict[int, float] | None = None, pool: "DraftLengthPolicy | None" = None) -> None:
         """forward_s: a forward-cost table to share (the batch's, draftwise.controller); the
         costs are the machine's, the acceptance evidence this policy's own. pool: a policy that
-        also receives every verdict of this one (and of its siblings: the batch controller's), whose
-        acceptance is this one's prior instead of PRIOR_ACCEPTANCE: a request that joins a batch
+        also receives every chain verdict of this one (observe_verdict; and of its siblings: the
+        batch controller's), whose acceptance is this one's prior instead of PRIOR_ACCEPTANCE (a
+        tree's calibration stays per request): a request that joins a batch
         starts from what the batch's drafts of the same kind have been doing lately."""
         self.pool = pool
         # tokens scored -> running mean seconds

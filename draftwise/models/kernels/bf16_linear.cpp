@@ -128,8 +128,7 @@ struct Rounded<Blocks<Q4_K>> {
   template <int R, typename Use>
   static DRAFTWISE_ALWAYS_INLINE void decode(const uint8_t* const* block, Use use) {
     alignas(64) float scaled[R][16];
-    for (int r = 0; r < R; ++r) q4k_scaled(block[r], scaled[r]);
-    in_memory(scaled);
+    q4k_scaled(block, scaled);
     const __m512i nibble = _mm512_set1_epi16(15), second = _mm512_set1_epi16(16);
 #pragma GCC unroll 4
     for (int pair = 0; pair < 4; ++pair) {

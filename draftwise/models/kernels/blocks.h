@@ -117,6 +117,12 @@ DRAFTWISE_ALWAYS_INLINE void q4k_scaled(const uint8_t* block, float* out) {
   const v16 both = __builtin_shufflevector(d, dmin, 0, 1, 2, 3, 4, 5, 6, 7, 24, 25, 26, 27, 28, 29, 30, 31);
   store16(out, to_float(widen(scales)) * both);
 }
+// The same for R blocks, left in memory (in_memory): the tables' operands are then broadcasts.
+template <int R>
+DRAFTWISE_ALWAYS_INLINE void q4k_scaled(const uint8_t* const* block, float (&out)[R][16]) {
+  for (int r = 0; r < R; ++r) q4k_scaled(block[r], out[r]);
+  in_memory(out);
+}
 
 template <int64_t FORMAT>
 struct Blocks;
@@ -212,9 +218,8 @@ struct Blocks<Q4_K> {
   static constexpr int64_t WEIGHTS = 256, BYTES = 144;
   template <int R, typename Use>
   static DRAFTWISE_ALWAYS_INLINE void decode(const uint8_t* const* block, Use use) {
-    alignas(64) float scaled[R][16];  // per row, in memory: the tables' operands are broadcasts
-    for (int r = 0; r < R; ++r) q4k_scaled(block[r], scaled[r]);
-    in_memory(scaled);
+    alignas(64) float scaled[R][16];
+    q4k_scaled(block, scaled);
 #pragma GCC unroll 4
     for (int pair = 0; pair < 4; ++pair) {
       v16 table[R], w[R];
