@@ -5,17 +5,22 @@ tests/test_train.py trains both kinds and checks what it wrote."""
 
 from __future__ import annotations
 
+import json
+import shutil
+from dataclasses import replace
+
 import pytest
+import torch
 
 from draftwise.config import SamplingParams, SpecConfig
 from draftwise.draft_length import DraftLengthPolicy
 from draftwise.drafters import build_drafter
-from draftwise.drafters.eagle import EagleDrafter
+from draftwise.drafters.eagle import EagleDrafter, compact_copy
 from draftwise.drafters.medusa import MedusaDrafter
 from draftwise.engine import Engine
 from draftwise.errors import ConfigError
 from draftwise.heads import head_for
-from draftwise.heads.eagle import load_head
+from draftwise.heads.eagle import FORMAT_VERSION, EagleConfig, EagleHead, load_head, read_head_files
 from draftwise.heads.medusa import load_medusa
 from tests.conftest import PROMPTS
 
@@ -100,10 +105,54 @@ def test_seeded_sampling_through_eagle_trees_is_reproducible(smollm2, eagle_head
 
 
 def test_no_shipped_head_for_a_target_names_the_training_command():
-    with pytest.raises(ConfigError, match="draftwise train --kind eagle --target qwen2.5-coder-1.5b"):
-        head_for("qwen2.5-coder-1.5b", "eagle")
+    with pytest.raises(ConfigError, match="draftwise train --kind eagle --target gemma3-270m"):
+        head_for("gemma3-270m", "eagle")
     with pytest.raises(ConfigError, match="no medusa head is shipped for qwen2.5-coder-1.5b"):
         head_for("qwen2.5-coder-1.5b", "medusa")
+
+
+def test_a_head_stored_in_q8_0_blocks_drafts_exactly_as_its_bfloat16_file(smollm2, plain_outputs, tmp_path):
+    """Q8_0 is what the drafter multiplies by anyway (compact_copy): a file in Q8_0 blocks is half
+    the bytes of the bfloat16 one and gives the same blocks at run time, so the same drafts."""
+    shipped = head_for("smollm2-135m", "eagle")
+    bf16 = load_head(shipped, smollm2.model)
+    assert bf16.config.weight_storage == "bf16"  # written before the field existed
+    bf16.config = replace(bf16.config, weight_storage="q8_0")
+    bf16.save(tmp_path)
+    assert (tmp_path / "head.safetensors").stat().st_size < 0.6 * (shipped / "head.safetensors").stat().st_size
+    q8 = load_head(tmp_path, smollm2.model)
+    assert q8.config.weight_storage == "q8_0"
+    blocks_bf16 = dict(compact_copy(load_head(shipped, smollm2.model)).named_buffers())
+    blocks_q8 = dict(compact_copy(q8).named_buffers())
+    assert blocks_bf16.keys() == blocks_q8.keys()
+    assert all(torch.equal(blocks_bf16[name], blocks_q8[name]) for name in blocks_bf16)
+    engines = [Engine(smollm2, EagleDrafter(head, smollm2.model), 16)
+               for head in (load_head(shipped, smollm2.model), q8)]
+    results = [[engine.generate(prompt, PARAMS) for prompt in PROMPTS[:4]] for engine in engines]
+    assert [r.token_ids for r in results[1]] == plain_outputs[:4]
+    assert [r.metrics.num_target_forwards for r in results[1]] == [r.metrics.num_target_forwards for r in results[0]]
+
+
+def test_a_head_file_of_an_unknown_storage_is_refused(smollm2, tmp_path):
+    shipped = head_for("smollm2-135m", "eagle")
+    shutil.copytree(shipped, tmp_path / "head")
+    fields = json.loads((tmp_path / "head" / "head.json").read_text())
+    (tmp_path / "head" / "head.json").write_text(json.dumps({**fields, "weight_storage": "q3_k"}))
+    with pytest.raises(ConfigError, match="weight_storage='q3_k' is not a head storage"):
+        load_head(tmp_path / "head", smollm2.model)
+
+
+def test_the_qwen_head_ships_in_q8_0_blocks_shaped_for_its_target():
+    """The Qwen2.5-Coder-1.5B head (trained on a lent H100; README): its file matches its config and
+    the target's shape, its weights are finite, and its record shows the held-out acceptance."""
+    fields, tensors = read_head_files(head_for("qwen2.5-coder-1.5b", "eagle"), "eagle", FORMAT_VERSION)
+    config = EagleConfig(**fields)
+    assert (config.target, config.hidden_size, config.target_vocab_size) == ("qwen2.5-coder-1.5b", 1536, 151936)
+    assert config.weight_storage == "q8_0" and config.intermediate_size == 4096
+    expected = {name: tuple(t.shape) for name, t in EagleHead(config).state_dict().items() if name != "lm_head.weight"}
+    assert {name: tuple(t.shape) for name, t in tensors.items()} == expected
+    assert all(torch.isfinite(t).all() for t in tensors.values() if t.is_floating_point())
+    assert config.training["curve"][-1]["mean_accepted_length"] >= 2.5
 
 
 def test_head_option_is_refused_for_drafters_without_heads():

@@ -30,7 +30,8 @@ def trained(tmp_path_factory):
     prompts = folder / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     common = ["--target", "smollm2-135m", "--out", str(folder / "out"), "--prompts", str(prompts),
-              "--max-response-tokens", "24", "--draft-vocab", "512", "--heldout", "2", "--quiet"]
+              "--max-response-tokens", "24", "--draft-vocab", "512", "--heldout", "2", "--quiet",
+              "--head-intermediate-size", "256"]
     assert main(["train", *common, "--epochs", "1"]) == 0
     first = json.loads((folder / "out" / "eagle" / "head.json").read_text())["training"]
     # Rerunning with more epochs resumes from the checkpoint instead of starting over.
@@ -47,6 +48,24 @@ def test_training_writes_a_head_with_its_record_and_resumes(trained):
     assert second["curve"][: len(first["curve"])] == first["curve"]  # the first run's points were kept
     assert all(point["mean_accepted_length"] >= 1.0 for point in second["curve"])
     assert second["conversations"] == len(PROMPTS) - 2  # two held out to measure acceptance
+    head = json.loads((out / "eagle" / "head.json").read_text())
+    assert head["intermediate_size"] == 256  # --head-intermediate-size, not SmolLM2's own 1536
+    assert second["learning_rate"] == 1e-3  # the default for a 576-wide head
+
+
+def test_the_default_learning_rate_is_lower_for_wide_heads():
+    from draftwise.train.trainer import default_learning_rate
+
+    assert default_learning_rate(576) == 1e-3  # SmolLM2: measured to train well
+    assert default_learning_rate(1536) == 2e-4  # Qwen2.5-Coder-1.5B: 1e-3 diverged
+
+
+def test_a_head_narrower_than_one_unit_is_refused(smollm2):
+    from draftwise.heads.eagle import EagleConfig
+
+    assert EagleConfig.for_target(smollm2.model, "smollm2-135m", 512).intermediate_size == 1536
+    with pytest.raises(ConfigError, match="intermediate_size=0"):
+        EagleConfig.for_target(smollm2.model, "smollm2-135m", 512, intermediate_size=0)
 
 
 @pytest.mark.parametrize("kind", ["eagle", "medusa"])

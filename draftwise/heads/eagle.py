@@ -20,9 +20,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType, quants
 from torch import nn
 
 from draftwise.errors import ConfigError
+
+Q8_0_BLOCK = 32  # weights per Q8_0 block (one float16 scale, 32 int8 values: 34 bytes)
 
 CONFIG_NAME = "head.json"
 WEIGHTS_NAME = "head.safetensors"
@@ -47,19 +50,28 @@ class EagleConfig:
     # The LM head is the target's own rows for the draft vocabulary, frozen in training: not
     # stored, filled from the target at load (10 MB less for SmolLM2).
     lm_head_from_target: bool = True
+    # How head.safetensors stores the matrices: "q8_0" (GGUF's 8-bit blocks of 32, what the
+    # drafter multiplies by anyway: half the bytes of "bf16", the same drafts) or "bf16".
+    weight_storage: str = "q8_0"
     training: dict = field(default_factory=dict)  # how it was trained: data, steps, measured acceptance
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hidden_layers", tuple(self.hidden_layers))
 
     @classmethod
-    def for_target(cls, target_model, target_name: str, draft_vocab_size: int) -> "EagleConfig":
-        """A head shaped like one of the target's layers, fusing its layers at ~10%, 50% and 90% depth."""
+    def for_target(cls, target_model, target_name: str, draft_vocab_size: int,
+                   intermediate_size: int | None = None) -> "EagleConfig":
+        """A head shaped like one of the target's layers, fusing its layers at ~10%, 50% and 90% depth;
+        intermediate_size narrows its MLP (default: the target's), for targets whose layer is costly
+        to run once per draft depth on a CPU."""
         s = target_model.shape
+        if intermediate_size is not None and intermediate_size < 1:
+            raise ConfigError(f"intermediate_size={intermediate_size}: the head's MLP needs at least 1 unit "
+                              f"(the target's is {s.intermediate_size}).")
         last = s.num_layers - 1
         layers = tuple(sorted({max(1, round(0.1 * last)), round(0.5 * last), round(0.9 * last)}))
         return cls(target=target_name, hidden_size=s.hidden_size, num_heads=s.num_heads, num_kv_heads=s.num_kv_heads,
-                   head_dim=s.head_dim, intermediate_size=s.intermediate_size, rms_norm_eps=s.rms_norm_eps,
+                   head_dim=s.head_dim, intermediate_size=intermediate_size or s.intermediate_size, rms_norm_eps=s.rms_norm_eps,
                    rope_theta=s.rope_theta, hidden_layers=layers, draft_vocab_size=draft_vocab_size,
                    target_vocab_size=s.vocab_size)
 
@@ -159,11 +171,35 @@ def save_head(head: nn.Module, folder: str | Path) -> Path:
 
 
 def head_state(head: nn.Module) -> dict[str, torch.Tensor]:
-    """What a head file stores: bfloat16 weights (the head's numerics never reach the output),
+    """What a head file stores: matrices as config.weight_storage says (Q8_0 block bytes, uint8
+    [rows, bytes], or bfloat16: the head's numerics never reach the output), vectors in bfloat16,
     integer buffers as they are, and no LM head when it is the target's own."""
-    return {name: (tensor.detach().to(torch.bfloat16) if tensor.is_floating_point() else tensor.detach()).contiguous()
-            for name, tensor in head.state_dict().items()
-            if not (name == "lm_head.weight" and head.config.lm_head_from_target)}
+    storage = getattr(head.config, "weight_storage", "bf16")
+    state = {}
+    for name, tensor in head.state_dict().items():
+        if name == "lm_head.weight" and head.config.lm_head_from_target:
+            continue
+        tensor = tensor.detach().cpu()
+        if storage == "q8_0" and tensor.dim() == 2 and tensor.is_floating_point() and tensor.shape[1] % Q8_0_BLOCK == 0:
+            state[name] = torch.from_numpy(quants.quantize(tensor.float().numpy(), GGMLQuantizationType.Q8_0))
+        else:
+            state[name] = tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor
+    return {name: tensor.contiguous() for name, tensor in state.items()}
+
+
+def _float_tensors(tensors: dict[str, torch.Tensor], storage: str) -> dict[str, torch.Tensor]:
+    """A head file's tensors as float32 (Q8_0 block bytes dequantized), integer buffers as they are."""
+    if storage not in ("q8_0", "bf16"):
+        raise ConfigError(f"weight_storage={storage!r} is not a head storage: this reads q8_0 or bf16; "
+                          "retrain the head with `draftwise train`.")
+    out = {}
+    for name, tensor in tensors.items():
+        if storage == "q8_0" and tensor.dtype == torch.uint8 and tensor.dim() == 2:
+            values = quants.dequantize(tensor.numpy(), GGMLQuantizationType.Q8_0)
+            out[name] = torch.from_numpy(values.astype("float32", copy=False))
+        else:
+            out[name] = tensor.float() if tensor.is_floating_point() else tensor
+    return out
 
 
 def read_head_files(folder: str | Path, kind: str, format_version: int) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -180,8 +216,8 @@ def read_head_files(folder: str | Path, kind: str, format_version: int) -> tuple
         raise ConfigError(f"{config_path} is a {fields.get('kind')!r} head of format {fields.get('format_version')}; "
                           f"this reads {kind!r} heads of format {format_version}: retrain it with "
                           f"`draftwise train --kind {kind}`.")
-    tensors = {name: tensor.float() if tensor.is_floating_point() else tensor for name, tensor in load_file(weights_path).items()}
-    return fields, tensors
+    # Files written before weight_storage existed hold bfloat16 matrices.
+    return fields, _float_tensors(load_file(weights_path), fields.setdefault("weight_storage", "bf16"))
 
 
 def fill_lm_head(head: nn.Module, tensors: dict[str, torch.Tensor], target_model) -> nn.Module:

@@ -37,6 +37,7 @@ class MedusaConfig:
     kind: str = "medusa"
     format_version: int = FORMAT_VERSION
     lm_head_from_target: bool = True  # the target's own rows, frozen: not stored (see heads/eagle.py)
+    weight_storage: str = "q8_0"  # matrices in Q8_0 blocks or "bf16" (see heads/eagle.py)
     training: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
