@@ -2,16 +2,18 @@
 
     python benchmarks/eagle_trees.py float32 draftwise/heads/shipped/smollm2-135m/eagle
     python benchmarks/eagle_trees.py int8 draftwise/heads/shipped/smollm2-135m/eagle
+    python benchmarks/eagle_trees.py auto draftwise/heads/shipped/qwen2.5-coder-1.5b/eagle \
+        --model qwen2.5-coder-1.5b --shapes 3x3,2x3,2x2,1x3
 
-Runs the bench suite's chat, math and translation prompts (two each, 96 new tokens) on
-SmolLM2-135M with the given activations, plain first, then each (top_k, depth) tree shape with
-the adaptive draft-length policy; prints tok/s, the ratio to plain, tokens per target forward
-and drafting time per step. The README's EAGLE numbers come from this script.
+Runs the bench suite's chat, math and translation prompts (two each, 96 new tokens) on the
+model (default SmolLM2-135M) with the given activations, plain first, then each top_k x depth
+tree shape with the adaptive draft-length policy; prints tok/s, the ratio to plain, tokens per
+target forward and drafting time per step. The README's EAGLE numbers come from this script.
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
 
 from draftwise.bench.suite import default_prompt_dir, load_suite
 from draftwise.config import SamplingParams
@@ -34,14 +36,14 @@ def run(engine: Engine, prompts: list, params: SamplingParams) -> tuple[float, f
     return tokens / seconds, committed / forwards, 1000 * draft_s / forwards
 
 
-def main(activations: str, head_folder: str) -> None:
-    target = loading.load("smollm2-135m", progress=False, activations=activations)
+def main(activations: str, head_folder: str, model: str, shapes: list[tuple[int, int]]) -> None:
+    target = loading.load(model, progress=False, activations=activations)
     head = load_head(head_folder, target.model)
     prompts = [p.messages for p in load_suite(default_prompt_dir(), ["chat", "math", "translation"], 2)]
     params = SamplingParams(max_new_tokens=96)
     plain, _, _ = run(Engine(target), prompts, params)
     print(f"{activations} plain {plain:.1f} tok/s")
-    for top_k, depth in [(8, 6), (4, 4), (3, 3), (2, 3)]:
+    for top_k, depth in shapes:
         engine = Engine(target, EagleDrafter(head, target.model, top_k=top_k, depth=depth), 16, DraftLengthPolicy())
         speed, per_forward, draft_ms = run(engine, prompts, params)
         print(f"{activations} eagle top_k={top_k} depth={depth}: {speed:.1f} tok/s ({speed / plain:.2f}x), "
@@ -49,4 +51,11 @@ def main(activations: str, head_folder: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("activations", help="float32, int8, bf16 or auto")
+    parser.add_argument("head", help="a head folder (head.json + head.safetensors)")
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--shapes", default="8x6,4x4,3x3,2x3", help="comma-separated TOPKxDEPTH tree shapes")
+    args = parser.parse_args()
+    main(args.activations, args.head, args.model,
+         [tuple(int(n) for n in shape.split("x")) for shape in args.shapes.split(",")])
