@@ -217,17 +217,6 @@ void tile_step(const uint16_t* x, int64_t x_stride, const uint16_t* tile, v16* p
   }
 }
 
-// Asks for the bytes of weight row `row`'s columns [k0, k0 + columns) while the row before is
-// rounded: a tile walks TILE_K columns of one row, then jumps to the next, and without this the
-// first touch of each row's slice stalled on memory (perf, Qwen's 9-row verify: 20% of the tile
-// fill's samples on the first load of a Q6_K block).
-inline void prefetch_slice(int64_t format, const uint8_t* row, int64_t k0, int64_t columns) {
-  const Layout blocks = layout(format);
-  const uint8_t* start = row + k0 / blocks.weights * blocks.bytes;
-  const int64_t bytes = (columns + blocks.weights - 1) / blocks.weights * blocks.bytes;
-  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(start + offset);
-}
-
 // Weight row `row` (K weights in format), columns [k0, k0 + columns) rounded into out, zeros
 // past K. k0 is a multiple of TILE_K, so whole blocks. Block formats are rounded as they are
 // decoded (the values fused_rows rounds); the others go through a row of floats.

@@ -325,9 +325,11 @@ void prefill_blocks(const float* x, const uint8_t* w, int64_t format, float* y, 
       const int64_t rows = std::min(BLOCK_TILE_M, M - m0), cols = std::min(BLOCK_TILE_N, N - n0);
       for (int64_t k0 = 0; k0 < K; k0 += BLOCK_TILE_K) {
         const int64_t columns = std::min(BLOCK_TILE_K, K - k0);  // whole blocks: K is a multiple of a block
-        for (int64_t j = 0; j < cols; ++j)
+        for (int64_t j = 0; j < cols; ++j) {
+          if (j + 1 < cols) prefetch_slice(format, w + (n0 + j + 1) * row_bytes, k0, columns);
           dequantize_row(format, w + (n0 + j) * row_bytes + k0 / blocks.weights * blocks.bytes, tile + j * BLOCK_TILE_K,
                          columns);
+        }
         const bool last = k0 + columns == K;
         tile_step(x + m0 * K + k0, K, tile, BLOCK_TILE_K, partial, rows, cols, columns,
                   Ends{k0 == 0, last ? y + m0 * N + n0 : nullptr, N});
