@@ -162,3 +162,15 @@ def test_training_on_a_missing_gpu_is_refused_clearly():
             training_device("cuda")
     with pytest.raises(ConfigError, match="not a device"):
         training_device("gpu0")
+
+
+def test_tf32_for_training_on_a_gpu_is_undone_afterwards():
+    """The scoring passes use TF32 on CUDA; a program that trains a head keeps its own setting after."""
+    from draftwise.train.pipeline import _tf32_matmuls
+
+    before = torch.backends.cuda.matmul.allow_tf32
+    with _tf32_matmuls(torch.device("cuda")):
+        assert torch.backends.cuda.matmul.allow_tf32
+    assert torch.backends.cuda.matmul.allow_tf32 == before
+    with _tf32_matmuls(torch.device("cpu")):
+        assert torch.backends.cuda.matmul.allow_tf32 == before

@@ -20,12 +20,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from gguf import GGMLQuantizationType, quants
+from gguf import quants
 from torch import nn
 
 from draftwise.errors import ConfigError
+from draftwise.models.linear import WeightFormat, dequantize, quantize_blocks
 
-Q8_0_BLOCK = 32  # weights per Q8_0 block (one float16 scale, 32 int8 values: 34 bytes)
+Q8_0_WEIGHTS, Q8_0_BYTES = quants.GGML_QUANT_SIZES[WeightFormat.Q8_0]  # 32 weights in 34 bytes per block
 
 CONFIG_NAME = "head.json"
 WEIGHTS_NAME = "head.safetensors"
@@ -180,8 +181,8 @@ def head_state(head: nn.Module) -> dict[str, torch.Tensor]:
         if name == "lm_head.weight" and head.config.lm_head_from_target:
             continue
         tensor = tensor.detach().cpu()
-        if storage == "q8_0" and tensor.dim() == 2 and tensor.is_floating_point() and tensor.shape[1] % Q8_0_BLOCK == 0:
-            state[name] = torch.from_numpy(quants.quantize(tensor.float().numpy(), GGMLQuantizationType.Q8_0))
+        if storage == "q8_0" and tensor.dim() == 2 and tensor.is_floating_point() and tensor.shape[1] % Q8_0_WEIGHTS == 0:
+            state[name] = quantize_blocks(tensor, WeightFormat.Q8_0)
         else:
             state[name] = tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor
     return {name: tensor.contiguous() for name, tensor in state.items()}
@@ -195,8 +196,7 @@ def _float_tensors(tensors: dict[str, torch.Tensor], storage: str) -> dict[str, 
     out = {}
     for name, tensor in tensors.items():
         if storage == "q8_0" and tensor.dtype == torch.uint8 and tensor.dim() == 2:
-            values = quants.dequantize(tensor.numpy(), GGMLQuantizationType.Q8_0)
-            out[name] = torch.from_numpy(values.astype("float32", copy=False))
+            out[name] = dequantize(tensor, WeightFormat.Q8_0, tensor.shape[1] // Q8_0_BYTES * Q8_0_WEIGHTS)
         else:
             out[name] = tensor.float() if tensor.is_floating_point() else tensor
     return out

@@ -95,7 +95,7 @@ class BlockWeight(nn.Module):
             if num_columns % block:
                 raise ConfigError(f"{format.name} stores rows in blocks of {block} weights; a layer has "
                                   f"{num_columns} columns: use --quantize int8 or no --quantize.")
-            data = torch.from_numpy(quants.quantize(weight.detach().float().numpy(), format))
+            data = quantize_blocks(weight, format)
         return cls(data, format, num_columns)
 
     @property
@@ -140,6 +140,11 @@ class BlockEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden] float32
         return self.weight.rows(ids)
+
+
+def quantize_blocks(weight: torch.Tensor, format: WeightFormat) -> torch.Tensor:
+    """A float weight [rows, columns] -> its block bytes uint8 [rows, bytes], by gguf-py (the reference)."""
+    return torch.from_numpy(quants.quantize(weight.detach().float().numpy(), format))
 
 
 def dequantize(data: torch.Tensor, format: WeightFormat, num_columns: int) -> torch.Tensor:

@@ -12,6 +12,7 @@ loads. Rerunning the same command resumes where it stopped.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -157,20 +158,35 @@ def train_head(target_name: str, output: Path, data_settings: DataSettings = Dat
     device the target's generation, its hidden states and the head's training run there; the
     held-out acceptance is measured on the CPU, through draftwise's own decoder, as users run it.
     intermediate_size: the EAGLE head's MLP width (default: the target's)."""
+    if kind not in KINDS:
+        raise ConfigError(f"kind={kind!r} is not a head kind: use one of {', '.join(KINDS)}.")
+    train_on = training_device(device)
+    with _tf32_matmuls(train_on):
+        return _train_head(target_name, Path(output), data_settings, settings, kind, progress, train_on,
+                           intermediate_size)
+
+
+@contextmanager
+def _tf32_matmuls(device: torch.device):
+    """On CUDA, float32 matrix products through the GPU's matrix units (TF32: ~1e-3 relative, well
+    inside what a head sees at run time from a bf16-activation target; several times faster for
+    the scoring passes), and the process's own setting back afterwards."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = before or device.type == "cuda"
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def _train_head(target_name: str, output: Path, data_settings: DataSettings, settings: TrainSettings, kind: str,
+                progress: bool, train_on: torch.device, intermediate_size: int | None) -> Path:
     import copy
 
     from draftwise.drafters.eagle import EagleDrafter
     from draftwise.drafters.medusa import MedusaDrafter
     from draftwise.models import loading
 
-    if kind not in KINDS:
-        raise ConfigError(f"kind={kind!r} is not a head kind: use one of {', '.join(KINDS)}.")
-    train_on = training_device(device)
-    if train_on.type == "cuda":
-        # The float32 scoring passes through the GPU's matrix units (TF32: ~1e-3 relative, well
-        # inside what the head sees at run time from a bf16-activation target); several times faster.
-        torch.backends.cuda.matmul.allow_tf32 = True
-    output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
     target = loading.load(target_name, dtype="auto", progress=progress)
     if not hasattr(target.model, "shape"):
