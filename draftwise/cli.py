@@ -177,7 +177,7 @@ def _add_bench(subparsers) -> None:
                           "blocks on a CPU with AVX-512 BF16, else float32); the report's title says which ran")
     cmd.add_argument("--activation-rows", default="none",
                      help="comma-separated activation modes to add rows for (draftwise plain, ngram, model, eagle, medusa on "
-                          "the same weights): float32, bf16, int8; 'none' for no such rows (default)")
+                          "the same weights): float32, bf16, int8, amx; 'none' for no such rows (default)")
     cmd.add_argument("--threads", type=int, help="CPU threads for every method (default: PyTorch's, one per core)")
     cmd.add_argument("--num-draft-tokens", type=int, metavar="K",
                      help="most draft tokens per step (default: 10 for ngram, 5 for model)")

@@ -33,6 +33,10 @@ FORMATS = {"gguf": {"dtype": "auto", "activations": "float32"}, "float32": {"dty
            "int8": {"dtype": "float32", "quantize": "int8"}, "int4": {"dtype": "float32", "quantize": "int4"},
            "gguf-int8-activations": {"dtype": "auto", "activations": "int8"},
            "gguf-bf16-activations": {"dtype": "auto", "activations": "bf16"}}
+# AMX tiles run only where the CPU has them (elsewhere tests/test_amx_activations.py checks the refusal).
+_KERNELS = native_kernels(progress=False)
+if _KERNELS is not None and _KERNELS.amx_in_hardware():
+    FORMATS["gguf-amx-activations"] = {"dtype": "auto", "activations": "amx"}
 
 
 @pytest.fixture(scope="module", params=list(FORMATS))
@@ -152,16 +156,16 @@ def test_the_compiled_layers_follow_a_change_of_activations():
 @pytest.fixture(scope="module")
 def default_target():
     """SmolLM2 as `draftwise generate` loads it: --dtype auto, its GGUF blocks (Q4_1, Q8_0), and
-    --activations auto: bf16 where the CPU has AVX-512 BF16 (the AMX Intels and the AMD EPYCs),
-    else float32 (e.g. an Ice Lake Xeon)."""
+    --activations auto: amx on a CPU with AMX tiles (the AMX Intels), else bf16 where the CPU has
+    AVX-512 BF16 (the AMD EPYCs), else float32 (e.g. an Ice Lake Xeon)."""
     target = loading.load("smollm2-135m", auto_fetch=True, progress=False)
     assert target.model.model.layers[0].mlp.down_proj.weight.format.name == "Q4_1"
     return target
 
 
-def test_the_default_activations_are_bf16_on_a_gguf_models_own_blocks_where_the_cpu_has_its_dot_product(
-        default_target, smollm2):
-    expected = "bf16" if native_kernels(progress=False).bf16_dot_in_hardware() else "float32"
+def test_the_default_activations_follow_the_cpu_on_a_gguf_models_own_blocks(default_target, smollm2):
+    kernels = native_kernels(progress=False)
+    expected = ("amx" if kernels.amx_in_hardware() else "bf16" if kernels.bf16_dot_in_hardware() else "float32")
     assert default_target.activations == expected
     assert {m.weight.activations for m in default_target.model.modules() if isinstance(m, BlockLinear)} == {expected}
     assert smollm2.activations == "float32"  # --dtype float32 keeps float32 arithmetic

@@ -20,6 +20,7 @@
 // rows TILE_K columns at a time into a bfloat16 tile in L2 and runs 6 x 4 register blocks over
 // it. SmolLM2's linears, 2 threads, against float32 activations: 1 row 1.05x the time, 4 rows
 // 0.9x, 9 / 16 / 64 / 256 rows 0.75 / 0.65 / 0.65 / 0.6x.
+#include "bf16.h"
 #include "blocks.h"
 #include "kernels.h"
 #include "tiles.h"
@@ -217,6 +218,8 @@ void tile_step(const uint16_t* x, int64_t x_stride, const uint16_t* tile, v16* p
   }
 }
 
+}  // namespace
+
 // Weight row `row` (K weights in format), columns [k0, k0 + columns) rounded into out, zeros
 // past K. k0 is a multiple of TILE_K, so whole blocks. Block formats are rounded as they are
 // decoded (the values fused_rows rounds); the others go through a row of floats.
@@ -243,6 +246,31 @@ void round_row(int64_t format, const uint8_t* row, int64_t K, int64_t k0, int64_
   std::fill(scratch + present, scratch + columns, 0.0f);
   for (int64_t k = 0; k < columns; k += COLUMNS) round32(scratch + k, out + k);
 }
+
+void round_rows(int64_t format, const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t K, int64_t k0,
+                int64_t columns, float* scratch, uint16_t* out) {
+  int64_t j = 0;
+  if (is_block_format(format)) {  // four rows abreast: the decoders' independent work overlaps
+    with_blocks(format, [&](auto b) {
+      using B = decltype(b);
+      for (; j + 4 <= rows; j += 4) {
+        const uint8_t* block[4];
+        for (int r = 0; r < 4; ++r) block[r] = w + (j + r) * row_bytes + k0 / B::WEIGHTS * B::BYTES;
+        for (int64_t k = 0; k < columns; k += B::WEIGHTS) {
+          for (int r = 0; r < 4; ++r)  // the next four rows, as fused_rows does: the prefetchers lose short streams
+            for (int64_t line = 0; line < B::BYTES; line += 64) __builtin_prefetch(block[r] + 4 * row_bytes + line);
+          Rounded<B>::template decode<4>(block, [&](int step, const vb32* rounded) DRAFTWISE_INLINE_LAMBDA {
+            for (int r = 0; r < 4; ++r) std::memcpy(out + (j + r) * columns + k + COLUMNS * step, &rounded[r], 64);
+          });
+          for (int r = 0; r < 4; ++r) block[r] += B::BYTES;
+        }
+      }
+    });
+  }
+  for (; j < rows; ++j) round_row(format, w + j * row_bytes, K, k0, columns, scratch, out + j * columns);
+}
+
+namespace {
 
 // Few rows of x on block formats: weight rows are decoded in registers (blocks.h), 32 weights
 // at a time rounded to bfloat16 and multiplied into every row of x at once, NUM_W weight rows
@@ -314,6 +342,19 @@ void fused(const uint16_t* x, int64_t Kp, const uint8_t* w, int64_t format, floa
 
 }  // namespace
 
+void round_x_rows(const float* x, int64_t M, int64_t K, int64_t Kp, uint16_t* out) {
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    float padded[COLUMNS];
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t k = 0; k < Kp; k += COLUMNS) {
+        const int64_t present = std::min(COLUMNS, K - k);
+        std::memcpy(padded, x + m * K + k, present * 4);
+        std::fill(padded + present, padded + COLUMNS, 0.0f);
+        round32(padded, out + m * Kp + k);
+      }
+  });
+}
+
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, int64_t format, int64_t K) {
   check_weight(weight, format, K);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "bf16_linear: x ", x.sizes(), " does not have ", K, " columns");
@@ -323,19 +364,8 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, int64_t fo
   auto y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   if (K == 0) return y.zero_();
-  // x's rows, rounded once: [M, Kp] bfloat16, zero-padded.
   std::vector<uint16_t> x_rounded(M * Kp);
-  const float* xf = x.data_ptr<float>();
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    float padded[COLUMNS];
-    for (int64_t m = m0; m < m1; ++m)
-      for (int64_t k = 0; k < Kp; k += COLUMNS) {
-        const int64_t present = std::min(COLUMNS, K - k);
-        std::memcpy(padded, xf + m * K + k, present * 4);
-        std::fill(padded + present, padded + COLUMNS, 0.0f);
-        round32(padded, x_rounded.data() + m * Kp + k);
-      }
-  });
+  round_x_rows(x.data_ptr<float>(), M, K, Kp, x_rounded.data());
   const uint8_t* w = weight.data_ptr<uint8_t>();
   float* out = y.data_ptr<float>();
   if (is_block_format(format) && M <= FUSED_MAX_ROWS) {

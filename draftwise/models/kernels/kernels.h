@@ -17,6 +17,11 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, int64_t fo
 // dot product (otherwise the same arithmetic runs in float32 instructions, slower).
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, int64_t format, int64_t K);
 bool bf16_dot_in_hardware();
+// The same rounding of x and W to bfloat16, the products summed by AMX tiles (an arithmetic of
+// its own, batch-invariant too); see amx_linear.cpp. amx_in_hardware: whether this build has AMX-
+// BF16 and the OS lets this process use its tiles (amx_linear raises otherwise).
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, int64_t format, int64_t K);
+bool amx_in_hardware();
 // rows ids [T] of W, dequantised -> [T, K] float32 (an embedding lookup on quantized weights).
 at::Tensor dequantize_rows(const at::Tensor& weight, int64_t format, int64_t K, const at::Tensor& ids);
 // x [T, H] -> x / sqrt(mean(x^2) + eps) * weight, row by row.

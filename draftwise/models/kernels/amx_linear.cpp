@@ -1,0 +1,245 @@
+// y = x @ W.T with x and W's values rounded to bfloat16 (bf16_linear.cpp's rounding, the same
+// values) and the products summed by AMX tiles (Intel Xeon since Sapphire Rapids): `--activations
+// amx`.
+//
+// Why: a tile multiply (tdpbf16ps) does 16 x 16 x 32 multiply-adds an instruction, so once the
+// weights are decoded the products cost next to nothing, for one row of x or sixteen: a verify
+// forward of up to 16 tokens costs about what the decoding of the weights costs, and a prefill runs
+// at the speed the weights are decoded once per 96 rows of x.
+//
+// Arithmetic: tdpbf16ps does not sum like vdpbf16ps (measured on this project's AMX Xeon: its
+// results match neither order of sequential float32 sums, nor one rounding per pair or per
+// instruction, in 62-79% of random outputs), so this is an arithmetic of its own, not
+// bf16_linear's. It is still batch-invariant: y[m, n] is the hardware's per-element sum of x row
+// m with weight row n, 32 columns an instruction in column order from zero, whatever else the
+// tiles hold (measured: every element of 1, 3 and 9 rows of x equals its element among 16).
+// Every row count takes the same path here, so a row of y is bit-identical whether x has 1 row,
+// 9, or 2000.
+//
+// How: A = 16 weight rows, decoded and rounded once per call into a buffer (row-major, as decoded),
+// B = 16 rows of x laid out in pairs of columns (the layout tdpbf16ps reads its second operand in),
+// C[n][m] = their products: up to 6 C tiles (96 rows of x) share each A tile load.
+#include "bf16.h"
+#include "formats.h"
+#include "kernels.h"
+#include "tiles.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define DRAFTWISE_AMX 1
+#endif
+
+namespace draftwise {
+
+#if defined(DRAFTWISE_AMX)
+namespace {
+
+constexpr int64_t ROWS = 16;     // weight rows in an A tile; rows of x in a B tile
+constexpr int64_t COLUMNS = 32;  // bfloat16 columns per tdpbf16ps
+constexpr int64_t CHUNKS = 6;    // C tiles (2..7): 96 rows of x per pass over an A buffer
+constexpr int64_t SEGMENT = 2048;  // columns decoded at a time for up to 16 rows of x (whole K-quant blocks)
+
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0 (A), 1 (B) and 2..7 (C): 16 rows of 64 bytes each.
+void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = ROWS;
+    config.bytes_per_row[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+// Linux hands out the tile registers' state on request, once per process.
+bool tiles_permitted() {
+  constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+  static const bool permitted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  return permitted;
+}
+
+// C tiles 2 .. 2 + chunks - 1 += A (tile 0, loaded from a) x the chunks' B tiles, for each 32
+// columns of a. GCC's tile intrinsics take the tile numbers as literals, hence the spelled-out
+// switch.
+#define DRAFTWISE_CHUNK(C, TILE)                          \
+  _tile_loadd(1, bs + (C) * b_chunk_stride, 64);          \
+  _tile_dpbf16ps(TILE, 0, 1)
+
+void products(const uint16_t* a, int64_t a_stride, const uint16_t* b, int64_t b_chunk_stride, int64_t steps,
+              int64_t chunks) {
+  for (int64_t s = 0; s < steps; ++s) {
+    _tile_loadd(0, a + s * COLUMNS, a_stride * 2);
+    const uint16_t* bs = b + s * ROWS * COLUMNS;  // a step's B tile: 16 column pairs x 16 rows x 2
+    switch (chunks) {
+      case 6: DRAFTWISE_CHUNK(5, 7); [[fallthrough]];
+      case 5: DRAFTWISE_CHUNK(4, 6); [[fallthrough]];
+      case 4: DRAFTWISE_CHUNK(3, 5); [[fallthrough]];
+      case 3: DRAFTWISE_CHUNK(2, 4); [[fallthrough]];
+      case 2: DRAFTWISE_CHUNK(1, 3); [[fallthrough]];
+      default: DRAFTWISE_CHUNK(0, 2);
+    }
+  }
+}
+#undef DRAFTWISE_CHUNK
+
+// One row chunk of x (up to 16 rows: a decode or verify step) against `groups` (<= 4) groups of 16
+// weight rows: C tiles 4..7, one per group, so that four independent sums are in flight (one
+// tile's chain of tdpbf16ps waits on its latency); A alternates between tiles 0 and 1.
+void wide_products(const uint16_t* a, int64_t a_stride, const uint16_t* b, int64_t steps, int64_t groups) {
+  const int64_t group_stride = ROWS * a_stride;
+  for (int64_t s = 0; s < steps; ++s) {
+    _tile_loadd(2, b + s * ROWS * COLUMNS, 64);
+    const uint16_t* as = a + s * COLUMNS;
+    _tile_loadd(0, as, a_stride * 2);
+    _tile_dpbf16ps(4, 0, 2);
+    if (groups > 1) {
+      _tile_loadd(1, as + group_stride, a_stride * 2);
+      _tile_dpbf16ps(5, 1, 2);
+    }
+    if (groups > 2) {
+      _tile_loadd(0, as + 2 * group_stride, a_stride * 2);
+      _tile_dpbf16ps(6, 0, 2);
+    }
+    if (groups > 3) {
+      _tile_loadd(1, as + 3 * group_stride, a_stride * 2);
+      _tile_dpbf16ps(7, 1, 2);
+    }
+  }
+}
+
+void zero_sums(int64_t chunks) {
+  _tile_zero(2);
+  if (chunks > 1) _tile_zero(3);
+  if (chunks > 2) _tile_zero(4);
+  if (chunks > 3) _tile_zero(5);
+  if (chunks > 4) _tile_zero(6);
+  if (chunks > 5) _tile_zero(7);
+}
+
+void store_sums(float* sums, int64_t chunks) {  // sums [chunks][16 weight rows][16 rows of x]
+  _tile_stored(2, sums, 64);
+  if (chunks > 1) _tile_stored(3, sums + 1 * ROWS * ROWS, 64);
+  if (chunks > 2) _tile_stored(4, sums + 2 * ROWS * ROWS, 64);
+  if (chunks > 3) _tile_stored(5, sums + 3 * ROWS * ROWS, 64);
+  if (chunks > 4) _tile_stored(6, sums + 4 * ROWS * ROWS, 64);
+  if (chunks > 5) _tile_stored(7, sums + 5 * ROWS * ROWS, 64);
+}
+
+}  // namespace
+
+bool amx_in_hardware() { return tiles_permitted(); }
+
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, int64_t format, int64_t K) {
+  check_weight(weight, format, K);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "amx_linear: x ", x.sizes(), " does not have ", K, " columns");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "amx_linear: x must be contiguous float32");
+  TORCH_CHECK(tiles_permitted(), "amx_linear: this CPU or kernel gives no AMX tiles; use --activations bf16");
+  const int64_t M = x.size(0), N = weight.size(0), row_bytes = weight.size(1);
+  const int64_t Kp = (K + COLUMNS - 1) / COLUMNS * COLUMNS, steps = Kp / COLUMNS;
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  if (K == 0) return y.zero_();
+  std::vector<uint16_t> x_rounded(M * Kp);
+  round_x_rows(x.data_ptr<float>(), M, K, Kp, x_rounded.data());
+  // B tiles: chunk c (rows 16c..16c+15 of x, zeros past M), step s -> [16 column pairs][16 rows][2].
+  const int64_t num_chunks = (M + ROWS - 1) / ROWS, chunk_stride = steps * ROWS * COLUMNS;
+  std::vector<uint16_t> b(num_chunks * chunk_stride, 0);
+  at::parallel_for(0, num_chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c)
+      for (int64_t m = c * ROWS; m < std::min(M, (c + 1) * ROWS); ++m)
+        for (int64_t s = 0; s < steps; ++s)
+          for (int64_t pair = 0; pair < COLUMNS / 2; ++pair) {
+            uint16_t* out = b.data() + c * chunk_stride + s * ROWS * COLUMNS + pair * 2 * ROWS + (m % ROWS) * 2;
+            std::memcpy(out, x_rounded.data() + m * Kp + s * COLUMNS + 2 * pair, 4);
+          }
+  });
+  const uint8_t* w = weight.data_ptr<uint8_t>();
+  float* out = y.data_ptr<float>();
+  // A work item: up to 4 groups of 16 weight rows (the C tiles of a decode step), decoded and
+  // rounded once into a buffer; fewer where that splits the groups more evenly over the threads
+  // (SmolLM2's 192-row projections are 12 groups: 3 items of 4 would leave one thread twice the work).
+  const int64_t num_groups = (N + ROWS - 1) / ROWS, threads = at::get_num_threads();
+  int64_t GROUPS = 4;
+  auto busiest = [&](int64_t per_item) { return ((num_groups + per_item - 1) / per_item + threads - 1) / threads * per_item; };
+  for (int64_t per_item = 3; per_item >= 1; --per_item)
+    if (busiest(per_item) < busiest(GROUPS)) GROUPS = per_item;
+  at::parallel_for(0, (num_groups + GROUPS - 1) / GROUPS, 1, [&](int64_t i0, int64_t i1) {
+    configure_tiles();
+    // the A buffer (64 rounded weight rows), one row's floats, the C tiles' sums
+    float* buffer = thread_buffer(4 * ROWS * Kp / 2 + Kp + CHUNKS * ROWS * ROWS);
+    uint16_t* a = reinterpret_cast<uint16_t*>(buffer);
+    float* scratch = buffer + 4 * ROWS * Kp / 2;
+    float* sums = scratch + Kp;
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t n0 = item * GROUPS * ROWS, rows = std::min(GROUPS * ROWS, N - n0);
+      const int64_t groups = (rows + ROWS - 1) / ROWS;
+      // y[m, n0 + 16 g + j] = sums[(i * 16 + j) * 16 + m % 16] for chunk i of x, group g
+      auto write = [&](int64_t g, int64_t first_chunk, int64_t chunks) {
+        const int64_t group_rows = std::min(ROWS, rows - g * ROWS);
+        for (int64_t i = 0; i < chunks; ++i)
+          for (int64_t m = (first_chunk + i) * ROWS; m < std::min(M, (first_chunk + i + 1) * ROWS); ++m)
+            for (int64_t j = 0; j < group_rows; ++j)
+              out[m * N + n0 + g * ROWS + j] = sums[(i * ROWS + j) * ROWS + m % ROWS];
+      };
+      if (num_chunks == 1) {
+        // Up to 16 rows of x: decode SEGMENT columns of the 64 weight rows at a time (256 KB at
+        // most, in L2) and multiply them; the C tiles carry the sums across segments.
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_zero(6);
+        _tile_zero(7);
+        for (int64_t k0 = 0; k0 < Kp; k0 += SEGMENT) {
+          const int64_t columns = std::min(SEGMENT, Kp - k0);
+          round_rows(format, w + n0 * row_bytes, row_bytes, rows, K, k0, columns, scratch, a);
+          std::fill(a + rows * columns, a + groups * ROWS * columns, uint16_t(0));  // the last group's missing rows
+          wide_products(a, columns, b.data() + k0 / COLUMNS * ROWS * COLUMNS, columns / COLUMNS, groups);
+        }
+        _tile_stored(4, sums, 64);
+        _tile_stored(5, sums + ROWS * ROWS, 64);
+        _tile_stored(6, sums + 2 * ROWS * ROWS, 64);
+        _tile_stored(7, sums + 3 * ROWS * ROWS, 64);
+        for (int64_t g = 0; g < groups; ++g) {
+          if (g > 0) std::memcpy(sums, sums + g * ROWS * ROWS, ROWS * ROWS * 4);  // group g's sums to chunk 0's place
+          write(g, 0, 1);
+        }
+        continue;
+      }
+      round_rows(format, w + n0 * row_bytes, row_bytes, rows, K, 0, Kp, scratch, a);
+      std::fill(a + rows * Kp, a + groups * ROWS * Kp, uint16_t(0));
+      for (int64_t g = 0; g < groups; ++g)
+        for (int64_t c = 0; c < num_chunks; c += CHUNKS) {
+          const int64_t chunks = std::min(CHUNKS, num_chunks - c);
+          zero_sums(chunks);
+          products(a + g * ROWS * Kp, Kp, b.data() + c * chunk_stride, chunk_stride, steps, chunks);
+          store_sums(sums, chunks);
+          write(g, c, chunks);
+        }
+    }
+    _tile_release();
+  });
+  return y;
+}
+
+#else
+
+bool amx_in_hardware() { return false; }
+
+at::Tensor amx_linear(const at::Tensor&, const at::Tensor&, int64_t, int64_t) {
+  TORCH_CHECK(false, "amx_linear: these kernels were built for a CPU without AMX-BF16; use --activations bf16");
+}
+
+#endif
+
+}  // namespace draftwise

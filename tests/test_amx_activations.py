@@ -1,0 +1,65 @@
+"""`--activations amx` (kernels/amx_linear.cpp): bf16_linear's rounding of x and the weights, the
+products summed on AMX tiles. Where the CPU has tiles: every row of every weight format is
+bit-identical whatever rows are beside it (1 to 120 rows, the decode and the prefill layouts),
+within float32 rounding of bf16's dot products, and greedy speculation equals plain decoding on
+the real SmolLM2. Where it has none: a clear refusal that names the fix. (The hypothesis
+invariance test in tests/test_batch_invariance.py runs amx too where it can.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftwise.config import SamplingParams
+from draftwise.drafters import NgramDrafter
+from draftwise.drafters.eagle import EagleDrafter
+from draftwise.engine import Engine
+from draftwise.errors import ConfigError
+from draftwise.heads import head_for
+from draftwise.heads.eagle import load_head
+from draftwise.models import loading
+from draftwise.models.kernels import native_kernels
+from draftwise.models.linear import BlockLinear, BlockWeight, use_activations
+from tests.conftest import PROMPTS
+from tests.test_kernels import CASES, kernels  # noqa: F401 (a fixture)
+
+
+@pytest.mark.parametrize("format, make", CASES, ids=[format.name for format, _ in CASES])
+def test_amx_rows_are_bit_identical_whatever_rows_are_beside_them(kernels, format, make):
+    data, num_columns = make(format)
+    weight = BlockWeight(data, format, num_columns)
+    if not kernels.amx_in_hardware():
+        with pytest.raises(ConfigError, match="--activations bf16"):
+            use_activations(BlockLinear(weight), "amx")
+        with pytest.raises(RuntimeError, match="AMX"):
+            kernels.amx_linear(torch.randn(2, num_columns), data, int(format), num_columns)
+        return
+    weight.activations = "amx"
+    torch.manual_seed(int(format))
+    x = torch.randn(120, num_columns) * 3
+    alone = torch.cat([weight.matmul(x[i:i + 1]) for i in range(120)])
+    for group in (3, 16, 17, 97, 120):  # 16: one tile of rows (the decode layout); 17+: the prefill layout
+        together = torch.cat([weight.matmul(x[i:i + group]) for i in range(0, 120, group)])
+        assert torch.equal(together, alone), f"rows differ when computed {group} at a time"
+    # the same rounded products as bf16's dot products, summed in another order: float32 rounding apart
+    weight.activations = "bf16"
+    dot_products = weight.matmul(x)
+    assert (alone - dot_products).abs().max() <= 1e-5 * dot_products.abs().max()
+
+
+GREEDY = SamplingParams(max_new_tokens=24)
+
+
+def test_greedy_speculation_equals_plain_decoding_on_amx_tiles():
+    if not native_kernels(progress=False).amx_in_hardware():
+        with pytest.raises(ConfigError, match="AMX"):
+            loading.load("smollm2-135m", auto_fetch=True, progress=False, activations="amx")
+        return
+    target = loading.load("smollm2-135m", auto_fetch=True, progress=False, activations="amx")
+    plain = [Engine(target).generate(prompt, GREEDY).token_ids for prompt in PROMPTS]
+    head = load_head(head_for("smollm2-135m", "eagle"), target.model)
+    for drafter, num_draft_tokens in ((NgramDrafter(), 16), (EagleDrafter(head, target.model), 16)):
+        engine = Engine(target, drafter, num_draft_tokens)
+        results = [engine.generate(prompt, GREEDY) for prompt in PROMPTS]
+        assert [result.token_ids for result in results] == plain
+        assert sum(result.metrics.num_accepted_tokens for result in results) > 0
