@@ -28,6 +28,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -53,12 +54,14 @@ struct TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Tiles 0 (A), 1 (B) and 2..7 (C): 16 rows of 64 bytes each.
-void configure_tiles() {
+// Tiles 0 and 1: 16 rows of 64 bytes (A: 16 weight rows x 32 columns). Tiles 2..7 (B and C):
+// 16 rows of `width` x 4 bytes, width = the rows of x a B tile holds (16, or M below 16: a decode
+// step's B tile then holds no zeros, and its sums are the same bits, each element its own).
+void configure_tiles(int64_t width) {
   TileConfig config;
   for (int t = 0; t < 8; ++t) {
     config.rows[t] = ROWS;
-    config.bytes_per_row[t] = 64;
+    config.bytes_per_row[t] = t < 2 ? 64 : width * 4;
   }
   _tile_loadconfig(&config);
 }
@@ -97,10 +100,11 @@ void products(const uint16_t* a, int64_t a_stride, const uint16_t* b, int64_t b_
 // One row chunk of x (up to 16 rows: a decode or verify step) against `groups` (<= 4) groups of 16
 // weight rows: C tiles 4..7, one per group, so that four independent sums are in flight (one
 // tile's chain of tdpbf16ps waits on its latency); A alternates between tiles 0 and 1.
-void wide_products(const uint16_t* a, int64_t a_stride, const uint16_t* b, int64_t steps, int64_t groups) {
+void wide_products(const uint16_t* a, int64_t a_stride, const uint16_t* b, int64_t width, int64_t steps,
+                   int64_t groups) {
   const int64_t group_stride = ROWS * a_stride;
   for (int64_t s = 0; s < steps; ++s) {
-    _tile_loadd(2, b + s * ROWS * COLUMNS, 64);
+    _tile_loadd(2, b + s * ROWS * 2 * width, width * 4);
     const uint16_t* as = a + s * COLUMNS;
     _tile_loadd(0, as, a_stride * 2);
     _tile_dpbf16ps(4, 0, 2);
@@ -153,15 +157,17 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, int64_t for
   if (K == 0) return y.zero_();
   std::vector<uint16_t> x_rounded(M * Kp);
   round_x_rows(x.data_ptr<float>(), M, K, Kp, x_rounded.data());
-  // B tiles: chunk c (rows 16c..16c+15 of x, zeros past M), step s -> [16 column pairs][16 rows][2].
-  const int64_t num_chunks = (M + ROWS - 1) / ROWS, chunk_stride = steps * ROWS * COLUMNS;
-  std::vector<uint16_t> b(num_chunks * chunk_stride, 0);
+  // B tiles: chunk c (rows 16c..16c+15 of x, zeros past M), step s -> [16 column pairs][width rows][2];
+  // width = M for a decode step (every entry written), else 16.
+  const int64_t num_chunks = (M + ROWS - 1) / ROWS, width = std::min(M, ROWS);
+  const int64_t chunk_stride = steps * ROWS * 2 * width;
+  std::unique_ptr<uint16_t[]> b(num_chunks == 1 ? new uint16_t[chunk_stride] : new uint16_t[num_chunks * chunk_stride]());
   at::parallel_for(0, num_chunks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c)
       for (int64_t m = c * ROWS; m < std::min(M, (c + 1) * ROWS); ++m)
         for (int64_t s = 0; s < steps; ++s)
           for (int64_t pair = 0; pair < COLUMNS / 2; ++pair) {
-            uint16_t* out = b.data() + c * chunk_stride + s * ROWS * COLUMNS + pair * 2 * ROWS + (m % ROWS) * 2;
+            uint16_t* out = b.get() + c * chunk_stride + (s * ROWS + pair) * 2 * width + (m % ROWS) * 2;
             std::memcpy(out, x_rounded.data() + m * Kp + s * COLUMNS + 2 * pair, 4);
           }
   });
@@ -176,7 +182,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, int64_t for
   for (int64_t per_item = 3; per_item >= 1; --per_item)
     if (busiest(per_item) < busiest(GROUPS)) GROUPS = per_item;
   at::parallel_for(0, (num_groups + GROUPS - 1) / GROUPS, 1, [&](int64_t i0, int64_t i1) {
-    configure_tiles();
+    configure_tiles(width);
     // the A buffer (64 rounded weight rows), one row's floats, the C tiles' sums
     float* buffer = thread_buffer(4 * ROWS * Kp / 2 + Kp + CHUNKS * ROWS * ROWS);
     uint16_t* a = reinterpret_cast<uint16_t*>(buffer);
@@ -204,7 +210,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, int64_t for
           const int64_t columns = std::min(SEGMENT, Kp - k0);
           round_rows(format, w + n0 * row_bytes, row_bytes, rows, K, k0, columns, scratch, a);
           std::fill(a + rows * columns, a + groups * ROWS * columns, uint16_t(0));  // the last group's missing rows
-          wide_products(a, columns, b.data() + k0 / COLUMNS * ROWS * COLUMNS, columns / COLUMNS, groups);
+          wide_products(a, columns, b.get() + k0 / COLUMNS * ROWS * 2 * width, width, columns / COLUMNS, groups);
         }
         _tile_stored(4, sums, 64);
         _tile_stored(5, sums + ROWS * ROWS, 64);
@@ -222,7 +228,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, int64_t for
         for (int64_t c = 0; c < num_chunks; c += CHUNKS) {
           const int64_t chunks = std::min(CHUNKS, num_chunks - c);
           zero_sums(chunks);
-          products(a + g * ROWS * Kp, Kp, b.data() + c * chunk_stride, chunk_stride, steps, chunks);
+          products(a + g * ROWS * Kp, Kp, b.get() + c * chunk_stride, chunk_stride, steps, chunks);
           store_sums(sums, chunks);
           write(g, c, chunks);
         }
