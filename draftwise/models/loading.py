@@ -98,8 +98,9 @@ def load(spec: str, dtype: str = "auto", auto_fetch: bool = False, progress: boo
     or "int4") re-quantizes the float weights into Q8_0 / Q4_1 blocks instead. activations:
     "float32", "int8" (each linear's input rounded to 8 bits per 32 values, integer dot products
     against the blocks: faster, close to float32), "bf16" (input and weights rounded to bfloat16,
-    float32 sums) or "auto" (bf16 for a GGUF model's own blocks on a CPU with AVX-512 BF16, else
-    float32: linear.default_activations); the result's .activations says which. Architectures the
+    float32 sums), "amx" (the same rounding summed on AMX tiles) or "auto" (amx or bf16 for a GGUF
+    model's own blocks where the CPU has AMX tiles or AVX-512 BF16, else float32:
+    linear.default_activations); the result's .activations says which. Architectures the
     native decoder lacks (e.g. Gemma 3) load through transformers instead (models/hf.py)."""
     from transformers import AutoConfig, AutoTokenizer
     from safetensors.torch import load_file
