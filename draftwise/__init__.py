@@ -44,7 +44,7 @@ def load(
     AVX-512 BF16, and "float32" otherwise; "bf16" rounds input and weights to bfloat16 with
     float32 sums: 1.3-1.6x faster prefill and verify forwards, logits very close to float32's;
     "amx" rounds the same and sums on AMX tiles: verify forwards of up to 16 tokens cost
-    1.1-1.4x one token, prefill 2-4x faster, a one-token step 1.3-1.5x slower; "float32" computes the file's
+    1.1-1.6x one token, prefill 2-4x faster, a one-token step 1.1-1.25x slower; "float32" computes the file's
     weights exactly in float32; "int8" rounds each linear's input to 8 bits per 32 values and
     multiplies it with the blocks in exact integers: about 2x faster decoding on a GGUF model,
     further from float32 (README, "Defaults, and why"). engine.target.activations says which ran.

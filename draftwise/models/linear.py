@@ -26,8 +26,8 @@ format, still batch-invariant (README, "bf16 activations", gives its closeness t
 
 `--activations amx` rounds the same values to bfloat16 and sums the products on AMX tiles
 (kernels/amx_linear.cpp; Intel Xeons since Sapphire Rapids): the hardware's own summation, so
-not bf16's bits, but batch-invariant the same way; a forward of 16 tokens costs ~1.4x one token
-(bf16: ~4x), a one-token step ~1.4x bf16's.
+not bf16's bits, but batch-invariant the same way; a forward of 16 tokens costs 1.25-1.6x one
+token (bf16: ~4x), a one-token step 1.1-1.25x bf16's.
 
 Without the compiled kernels (no compiler), weights are dequantised to float32 at load and run
 through F.linear: the same values, more memory, and no batch-invariance guarantee.

@@ -181,12 +181,15 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, int64_t for
   auto busiest = [&](int64_t per_item) { return ((num_groups + per_item - 1) / per_item + threads - 1) / threads * per_item; };
   for (int64_t per_item = 3; per_item >= 1; --per_item)
     if (busiest(per_item) < busiest(GROUPS)) GROUPS = per_item;
+  // The A buffer's rows: a decode step's segment or all of K, plus 64 bytes, so that 16 rows a
+  // power of two apart (2048 columns: 4 KB) do not all fall in one set of the L1 cache.
+  const int64_t a_stride = (num_chunks == 1 ? std::min(SEGMENT, Kp) : Kp) + COLUMNS;
   at::parallel_for(0, (num_groups + GROUPS - 1) / GROUPS, 1, [&](int64_t i0, int64_t i1) {
     configure_tiles(width);
     // the A buffer (64 rounded weight rows), one row's floats, the C tiles' sums
-    float* buffer = thread_buffer(4 * ROWS * Kp / 2 + Kp + CHUNKS * ROWS * ROWS);
+    float* buffer = thread_buffer(4 * ROWS * a_stride / 2 + Kp + CHUNKS * ROWS * ROWS);
     uint16_t* a = reinterpret_cast<uint16_t*>(buffer);
-    float* scratch = buffer + 4 * ROWS * Kp / 2;
+    float* scratch = buffer + 4 * ROWS * a_stride / 2;
     float* sums = scratch + Kp;
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t n0 = item * GROUPS * ROWS, rows = std::min(GROUPS * ROWS, N - n0);
@@ -208,9 +211,9 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, int64_t for
         _tile_zero(7);
         for (int64_t k0 = 0; k0 < Kp; k0 += SEGMENT) {
           const int64_t columns = std::min(SEGMENT, Kp - k0);
-          round_rows(format, w + n0 * row_bytes, row_bytes, rows, K, k0, columns, scratch, a);
-          std::fill(a + rows * columns, a + groups * ROWS * columns, uint16_t(0));  // the last group's missing rows
-          wide_products(a, columns, b.get() + k0 / COLUMNS * ROWS * 2 * width, width, columns / COLUMNS, groups);
+          round_rows(format, w + n0 * row_bytes, row_bytes, rows, K, k0, columns, scratch, a, a_stride);
+          std::fill(a + rows * a_stride, a + groups * ROWS * a_stride, uint16_t(0));  // the last group's missing rows
+          wide_products(a, a_stride, b.get() + k0 / COLUMNS * ROWS * 2 * width, width, columns / COLUMNS, groups);
         }
         _tile_stored(4, sums, 64);
         _tile_stored(5, sums + ROWS * ROWS, 64);
@@ -222,13 +225,13 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, int64_t for
         }
         continue;
       }
-      round_rows(format, w + n0 * row_bytes, row_bytes, rows, K, 0, Kp, scratch, a);
-      std::fill(a + rows * Kp, a + groups * ROWS * Kp, uint16_t(0));
+      round_rows(format, w + n0 * row_bytes, row_bytes, rows, K, 0, Kp, scratch, a, a_stride);
+      std::fill(a + rows * a_stride, a + groups * ROWS * a_stride, uint16_t(0));
       for (int64_t g = 0; g < groups; ++g)
         for (int64_t c = 0; c < num_chunks; c += CHUNKS) {
           const int64_t chunks = std::min(CHUNKS, num_chunks - c);
           zero_sums(chunks);
-          products(a + g * ROWS * Kp, Kp, b.get() + c * chunk_stride, chunk_stride, steps, chunks);
+          products(a + g * ROWS * a_stride, a_stride, b.get() + c * chunk_stride, chunk_stride, steps, chunks);
           store_sums(sums, chunks);
           write(g, c, chunks);
         }

@@ -14,10 +14,10 @@ void round_row(int64_t format, const uint8_t* row, int64_t K, int64_t k0, int64_
                uint16_t* out);
 
 // Weight rows [0, rows) of w (row_bytes apart), columns [k0, k0 + columns), rounded as round_row
-// does into out (row j at out + j * columns); block formats two rows abreast. k0 and columns are
+// does into out (row j at out + j * out_stride); block formats two rows abreast. k0 and columns are
 // whole blocks (k0 + columns may pass K by the zeros of a float format's last 32 columns);
 // scratch holds `columns` floats.
 void round_rows(int64_t format, const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t K, int64_t k0,
-                int64_t columns, float* scratch, uint16_t* out);
+                int64_t columns, float* scratch, uint16_t* out, int64_t out_stride);
 
 }  // namespace draftwise

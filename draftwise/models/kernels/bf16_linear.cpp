@@ -253,7 +253,7 @@ void round_row(int64_t format, const uint8_t* row, int64_t K, int64_t k0, int64_
 constexpr int ROWS_ABREAST = 2;
 
 void round_rows(int64_t format, const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t K, int64_t k0,
-                int64_t columns, float* scratch, uint16_t* out) {
+                int64_t columns, float* scratch, uint16_t* out, int64_t out_stride) {
   int64_t j = 0;
   if (is_block_format(format)) {  // rows abreast: the decoders' independent work overlaps
     with_blocks(format, [&](auto b) {
@@ -265,14 +265,14 @@ void round_rows(int64_t format, const uint8_t* w, int64_t row_bytes, int64_t row
           for (int r = 0; r < ROWS_ABREAST; ++r)  // the next rows, as fused_rows does: the prefetchers lose short streams
             for (int64_t line = 0; line < B::BYTES; line += 64) __builtin_prefetch(block[r] + ROWS_ABREAST * row_bytes + line);
           Rounded<B>::template decode<ROWS_ABREAST>(block, [&](int step, const vb32* rounded) DRAFTWISE_INLINE_LAMBDA {
-            for (int r = 0; r < ROWS_ABREAST; ++r) std::memcpy(out + (j + r) * columns + k + COLUMNS * step, &rounded[r], 64);
+            for (int r = 0; r < ROWS_ABREAST; ++r) std::memcpy(out + (j + r) * out_stride + k + COLUMNS * step, &rounded[r], 64);
           });
           for (int r = 0; r < ROWS_ABREAST; ++r) block[r] += B::BYTES;
         }
       }
     });
   }
-  for (; j < rows; ++j) round_row(format, w + j * row_bytes, K, k0, columns, scratch, out + j * columns);
+  for (; j < rows; ++j) round_row(format, w + j * row_bytes, K, k0, columns, scratch, out + j * out_stride);
 }
 
 namespace {
