@@ -177,14 +177,14 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, int64_t for
   // rounded once into a buffer; fewer where that splits the groups more evenly over the threads
   // (SmolLM2's 192-row projections are 12 groups: 3 items of 4 would leave one thread twice the work).
   const int64_t num_groups = (N + ROWS - 1) / ROWS, threads = at::get_num_threads();
-  int64_t GROUPS = 4;
+  int64_t groups_per_item = 4;
   auto busiest = [&](int64_t per_item) { return ((num_groups + per_item - 1) / per_item + threads - 1) / threads * per_item; };
   for (int64_t per_item = 3; per_item >= 1; --per_item)
-    if (busiest(per_item) < busiest(GROUPS)) GROUPS = per_item;
+    if (busiest(per_item) < busiest(groups_per_item)) groups_per_item = per_item;
   // The A buffer's rows: a decode step's segment or all of K, plus 64 bytes, so that 16 rows a
   // power of two apart (2048 columns: 4 KB) do not all fall in one set of the L1 cache.
   const int64_t a_stride = (num_chunks == 1 ? std::min(SEGMENT, Kp) : Kp) + COLUMNS;
-  at::parallel_for(0, (num_groups + GROUPS - 1) / GROUPS, 1, [&](int64_t i0, int64_t i1) {
+  at::parallel_for(0, (num_groups + groups_per_item - 1) / groups_per_item, 1, [&](int64_t i0, int64_t i1) {
     configure_tiles(width);
     // the A buffer (64 rounded weight rows), one row's floats, the C tiles' sums
     float* buffer = thread_buffer(4 * ROWS * a_stride / 2 + Kp + CHUNKS * ROWS * ROWS);
@@ -192,7 +192,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, int64_t for
     float* scratch = buffer + 4 * ROWS * a_stride / 2;
     float* sums = scratch + Kp;
     for (int64_t item = i0; item < i1; ++item) {
-      const int64_t n0 = item * GROUPS * ROWS, rows = std::min(GROUPS * ROWS, N - n0);
+      const int64_t n0 = item * groups_per_item * ROWS, rows = std::min(groups_per_item * ROWS, N - n0);
       const int64_t groups = (rows + ROWS - 1) / ROWS;
       // y[m, n0 + 16 g + j] = sums[(i * 16 + j) * 16 + m % 16] for chunk i of x, group g
       auto write = [&](int64_t g, int64_t first_chunk, int64_t chunks) {
