@@ -224,9 +224,10 @@ def default_activations(own_blocks: bool) -> str:
 
 def use_activations(module: nn.Module, activations: str) -> nn.Module:
     """Make every linear under module round its input to `activations` ("float32", "int8", "bf16"
-    or "amx"); returns module. int8 and bf16 need the compiled kernels; int8 also block-format
+    or "amx"); returns module. int8, bf16 and amx need the compiled kernels; int8 also block-format
     weights (a GGUF file's own, or --quantize int8/int4): anything else is a ConfigError naming
-    the fix. bf16 on a CPU without AVX-512 BF16 runs the same arithmetic slower (one warning)."""
+    the fix, as is amx on a CPU without AMX tiles. bf16 on a CPU without AVX-512 BF16 runs the
+    same arithmetic slower (one warning)."""
     check_activations(activations)
     if activations == "auto":
         raise ConfigError("use_activations needs a setting, not 'auto': pick float32, int8, bf16 or amx "

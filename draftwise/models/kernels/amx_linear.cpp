@@ -194,13 +194,13 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, int64_t for
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t n0 = item * groups_per_item * ROWS, rows = std::min(groups_per_item * ROWS, N - n0);
       const int64_t groups = (rows + ROWS - 1) / ROWS;
-      // y[m, n0 + 16 g + j] = sums[(i * 16 + j) * 16 + m % 16] for chunk i of x, group g
-      auto write = [&](int64_t g, int64_t first_chunk, int64_t chunks) {
+      // y[m, n0 + 16 g + j] = tiles[(i * 16 + j) * 16 + m % 16] for chunk i of x, group g
+      auto write = [&](const float* tiles, int64_t g, int64_t first_chunk, int64_t chunks) {
         const int64_t group_rows = std::min(ROWS, rows - g * ROWS);
         for (int64_t i = 0; i < chunks; ++i)
           for (int64_t m = (first_chunk + i) * ROWS; m < std::min(M, (first_chunk + i + 1) * ROWS); ++m)
             for (int64_t j = 0; j < group_rows; ++j)
-              out[m * N + n0 + g * ROWS + j] = sums[(i * ROWS + j) * ROWS + m % ROWS];
+              out[m * N + n0 + g * ROWS + j] = tiles[(i * ROWS + j) * ROWS + m % ROWS];
       };
       if (num_chunks == 1) {
         // Up to 16 rows of x: decode SEGMENT columns of the 64 weight rows at a time (256 KB at
@@ -219,10 +219,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, int64_t for
         _tile_stored(5, sums + ROWS * ROWS, 64);
         _tile_stored(6, sums + 2 * ROWS * ROWS, 64);
         _tile_stored(7, sums + 3 * ROWS * ROWS, 64);
-        for (int64_t g = 0; g < groups; ++g) {
-          if (g > 0) std::memcpy(sums, sums + g * ROWS * ROWS, ROWS * ROWS * 4);  // group g's sums to chunk 0's place
-          write(g, 0, 1);
-        }
+        for (int64_t g = 0; g < groups; ++g) write(sums + g * ROWS * ROWS, g, 0, 1);  // group g's tile: chunk 0 of x
         continue;
       }
       round_rows(format, w + n0 * row_bytes, row_bytes, rows, K, 0, Kp, scratch, a, a_stride);
@@ -233,7 +230,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, int64_t for
           zero_sums(chunks);
           products(a + g * ROWS * a_stride, a_stride, b.get() + c * chunk_stride, chunk_stride, steps, chunks);
           store_sums(sums, chunks);
-          write(g, c, chunks);
+          write(sums, g, c, chunks);
         }
     }
     _tile_release();
