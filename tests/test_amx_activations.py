@@ -13,7 +13,7 @@ import torch
 from draftwise.config import SamplingParams
 from draftwise.drafters import NgramDrafter
 from draftwise.drafters.eagle import EagleDrafter
-from draftwise.engine import Engine
+from draftwise.engine import AMX_PREFILL_CHUNK, Engine
 from draftwise.errors import ConfigError
 from draftwise.heads import head_for
 from draftwise.heads.eagle import load_head
@@ -41,6 +41,9 @@ def test_amx_rows_are_bit_identical_whatever_rows_are_beside_them(kernels, forma
     for group in (3, 16, 17, 97, 120):  # 16: one tile of rows (the decode layout); 17+: the prefill layout
         together = torch.cat([weight.matmul(x[i:i + group]) for i in range(0, 120, group)])
         assert torch.equal(together, alone), f"rows differ when computed {group} at a time"
+    # past amx_linear's 512-row blocks (1,100 rows: three uneven blocks), the rows 100 at a time
+    tall = torch.randn(1100, num_columns)
+    assert torch.equal(weight.matmul(tall), torch.cat([weight.matmul(tall[i:i + 100]) for i in range(0, 1100, 100)]))
     # the same rounded products as bf16's dot products, summed in another order: float32 rounding apart
     weight.activations = "bf16"
     dot_products = weight.matmul(x)
@@ -63,3 +66,21 @@ def test_greedy_speculation_equals_plain_decoding_on_amx_tiles():
         results = [engine.generate(prompt, GREEDY) for prompt in PROMPTS]
         assert [result.token_ids for result in results] == plain
         assert sum(result.metrics.num_accepted_tokens for result in results) > 0
+
+
+def test_a_long_prompt_on_tiles_prefills_in_chunks_and_generates_what_a_whole_prefill_does():
+    target = loading.load("smollm2-135m", auto_fetch=True, progress=False)  # as generate loads it
+    chunked = Engine(target, NgramDrafter(), 8)
+    if target.activations != "amx":
+        assert chunked.prefill_chunk is None  # bf16 / float32 prefill whole prompts (measured no faster)
+        return
+    assert chunked.prefill_chunk == AMX_PREFILL_CHUNK
+    texts = [p if isinstance(p, str) else p[0]["content"] for p in PROMPTS]
+    prompt = [{"role": "user", "content": "Summarise these notes:\n\n" + "\n\n".join(texts * 12)}]
+    assert len(chunked.encode(prompt)) > 2 * AMX_PREFILL_CHUNK  # three forwards, the last one short
+    whole = Engine(target, NgramDrafter(), 8)
+    whole.prefill_chunk = None
+    expected = whole.generate(prompt, GREEDY)
+    result = chunked.generate(prompt, GREEDY)
+    assert result.token_ids == expected.token_ids
+    assert result.metrics.num_accepted_tokens > 0
