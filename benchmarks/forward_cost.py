@@ -1,5 +1,6 @@
 """Forward cost per weight format: ms for one forward of 1 / 2 / 4 / 9 / 16 tokens after a
-300-token prefill (the minimum over rounds), the prefill rate of a long prompt, and peak RSS.
+300-token prefill (the minimum over rounds), the prefill rate of a long prompt (in the forwards
+the engine runs it in: 512 tokens at a time on AMX tiles, else whole), and peak RSS.
 
     python benchmarks/forward_cost.py --model qwen2.5-coder-1.5b --dtype auto float32 --threads 2
 
@@ -18,6 +19,7 @@ import time
 
 import torch
 
+from draftwise.engine import Engine
 from draftwise.models import loading
 from draftwise.models.linear import ACTIVATIONS
 
@@ -37,11 +39,16 @@ def forward_ms(model, num_tokens: int, rounds: int = 4, context: int = 300) -> f
     return best * 1000
 
 
-def prefill_rate(model, num_tokens: int) -> float:
+def prefill_rate(model, num_tokens: int, chunk: int | None = None) -> float:
+    """Tokens/s of a num_tokens prompt's prefill, in forwards of `chunk` tokens as the engine
+    runs them (None: one forward)."""
     cache = model.new_cache(num_tokens)
     tokens = torch.randint(1000, (num_tokens,))
+    chunk = chunk or num_tokens
     tic = time.perf_counter()
-    model.forward(tokens, torch.arange(num_tokens), cache, num_logits=1)
+    for start in range(0, num_tokens, chunk):
+        end = min(num_tokens, start + chunk)
+        model.forward(tokens[start:end], torch.arange(start, end), cache, num_logits=1)
     return num_tokens / (time.perf_counter() - tic)
 
 
@@ -96,10 +103,12 @@ def main() -> None:
         one = costs[1]
         row = " / ".join(f"{costs[n]:.0f}" for n in costs)
         ratios = " / ".join(f"{costs[n] / one:.2f}x" for n in costs)
-        rate = prefill_rate(model, args.prefill) if args.prefill else float("nan")
+        chunk = Engine(loaded).prefill_chunk  # the engine's: 512-token forwards on AMX tiles, else whole
+        rate = prefill_rate(model, args.prefill, chunk) if args.prefill else float("nan")
         rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(f"{args.model} dtype={dtype} quantize={args.quantize} activations={loaded.activations}: load {load_s:.1f} s | forward ms for "
-              f"1/2/4/9/16 tokens: {row} ({ratios}) | prefill {args.prefill} tokens: {rate:.0f} tok/s | "
+              f"1/2/4/9/16 tokens: {row} ({ratios}) | prefill {args.prefill} tokens"
+              f"{f' in {chunk}-token forwards' if chunk else ''}: {rate:.0f} tok/s | "
               f"peak RSS {rss_mb:.0f} MB", flush=True)
 
 
