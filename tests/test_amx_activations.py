@@ -38,7 +38,7 @@ def test_amx_rows_are_bit_identical_whatever_rows_are_beside_them(kernels, forma
     torch.manual_seed(int(format))
     x = torch.randn(120, num_columns) * 3
     alone = torch.cat([weight.matmul(x[i:i + 1]) for i in range(120)])
-    for group in (3, 16, 17, 97, 120):  # 16: one tile of rows (the decode layout); 17+: the prefill layout
+    for group in (3, 16, 17, 25, 32, 33, 97, 120):  # 16: one tile of rows; 17-32: two (the pair layout); 33+: the prefill layout
         together = torch.cat([weight.matmul(x[i:i + group]) for i in range(0, 120, group)])
         assert torch.equal(together, alone), f"rows differ when computed {group} at a time"
     # past amx_linear's 512-row blocks (1,100 rows: three uneven blocks), the rows 100 at a time

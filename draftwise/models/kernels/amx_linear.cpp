@@ -153,6 +153,27 @@ void store_transposed(const float* tile, float* out, int64_t out_stride) {
   }
 }
 
+// Two row chunks of x (17 to 32 rows: a long draft, a tree, a batch of sequences) against up to
+// two groups of 16 weight rows: B tiles 2 and 3, C tiles 4..7 = (group 0, chunk 0), (group 0,
+// chunk 1), (group 1, chunk 0), (group 1, chunk 1): again four sums in flight.
+void pair_products(const uint16_t* a, int64_t a_stride, const uint16_t* b, int64_t b_chunk_stride, int64_t steps,
+                   int64_t groups) {
+  const int64_t group_stride = ROWS * a_stride;
+  for (int64_t s = 0; s < steps; ++s) {
+    _tile_loadd(2, b + s * ROWS * COLUMNS, 64);
+    _tile_loadd(3, b + b_chunk_stride + s * ROWS * COLUMNS, 64);
+    const uint16_t* as = a + s * COLUMNS;
+    _tile_loadd(0, as, a_stride * 2);
+    _tile_dpbf16ps(4, 0, 2);
+    _tile_dpbf16ps(5, 0, 3);
+    if (groups > 1) {
+      _tile_loadd(1, as + group_stride, a_stride * 2);
+      _tile_dpbf16ps(6, 1, 2);
+      _tile_dpbf16ps(7, 1, 3);
+    }
+  }
+}
+
 void zero_sums(int64_t chunks) {
   _tile_zero(2);
   if (chunks > 1) _tile_zero(3);
@@ -200,13 +221,15 @@ void amx_rows(const float* x, int64_t M, const uint8_t* w, int64_t N, int64_t ro
   // rounded once into a buffer; fewer where that splits the groups more evenly over the threads
   // (SmolLM2's 192-row projections are 12 groups: 3 items of 4 would leave one thread twice the work).
   const int64_t num_groups = (N + ROWS - 1) / ROWS, threads = at::get_num_threads();
-  int64_t groups_per_item = 4;
+  // Two chunks of x (17-32 rows) take two groups an item: their four C tiles are (group, chunk) pairs.
+  const int64_t most_groups = num_chunks == 2 ? 2 : 4;
+  int64_t groups_per_item = most_groups;
   auto busiest = [&](int64_t per_item) { return ((num_groups + per_item - 1) / per_item + threads - 1) / threads * per_item; };
-  for (int64_t per_item = 3; per_item >= 1; --per_item)
+  for (int64_t per_item = most_groups - 1; per_item >= 1; --per_item)
     if (busiest(per_item) < busiest(groups_per_item)) groups_per_item = per_item;
   // The A buffer's rows: a decode step's segment or all of K, plus 64 bytes, so that 16 rows a
   // power of two apart (2048 columns: 4 KB) do not all fall in one set of the L1 cache.
-  const int64_t a_stride = (num_chunks == 1 ? std::min(SEGMENT, Kp) : Kp) + COLUMNS;
+  const int64_t a_stride = (num_chunks <= 2 ? std::min(SEGMENT, Kp) : Kp) + COLUMNS;
   at::parallel_for(0, (num_groups + groups_per_item - 1) / groups_per_item, 1, [&](int64_t i0, int64_t i1) {
     configure_tiles(width);
     // the A buffer (64 rounded weight rows), one row's floats, the C tiles' sums
@@ -231,9 +254,9 @@ void amx_rows(const float* x, int64_t M, const uint8_t* w, int64_t N, int64_t ro
               out[m * N + n0 + g * ROWS + j] = tiles[(i * ROWS + j) * ROWS + m % ROWS];
         }
       };
-      if (num_chunks == 1) {
-        // Up to 16 rows of x: decode SEGMENT columns of the 64 weight rows at a time (256 KB at
-        // most, in L2) and multiply them; the C tiles carry the sums across segments.
+      if (num_chunks <= 2) {
+        // Up to 32 rows of x: decode SEGMENT columns of the item's weight rows at a time (256 KB
+        // at most, in L2) and multiply them; the C tiles carry the sums across segments.
         _tile_zero(4);
         _tile_zero(5);
         _tile_zero(6);
@@ -242,13 +265,20 @@ void amx_rows(const float* x, int64_t M, const uint8_t* w, int64_t N, int64_t ro
           const int64_t columns = std::min(SEGMENT, Kp - k0);
           round_rows(format, w + n0 * row_bytes, row_bytes, rows, K, k0, columns, scratch, a, a_stride);
           std::fill(a + rows * a_stride, a + groups * ROWS * a_stride, uint16_t(0));  // the last group's missing rows
-          wide_products(a, a_stride, b.get() + k0 / COLUMNS * ROWS * 2 * width, width, columns / COLUMNS, groups);
+          if (num_chunks == 1)
+            wide_products(a, a_stride, b.get() + k0 / COLUMNS * ROWS * 2 * width, width, columns / COLUMNS, groups);
+          else
+            pair_products(a, a_stride, b.get() + k0 / COLUMNS * ROWS * COLUMNS, chunk_stride, columns / COLUMNS, groups);
         }
         _tile_stored(4, sums, 64);
         _tile_stored(5, sums + ROWS * ROWS, 64);
         _tile_stored(6, sums + 2 * ROWS * ROWS, 64);
         _tile_stored(7, sums + 3 * ROWS * ROWS, 64);
-        for (int64_t g = 0; g < groups; ++g) write(sums + g * ROWS * ROWS, g, 0, 1);  // group g's tile: chunk 0 of x
+        if (num_chunks == 1) {
+          for (int64_t g = 0; g < groups; ++g) write(sums + g * ROWS * ROWS, g, 0, 1);  // group g's tile: chunk 0 of x
+        } else {
+          for (int64_t g = 0; g < groups; ++g) write(sums + 2 * g * ROWS * ROWS, g, 0, 2);  // group g's two chunks
+        }
         continue;
       }
       round_rows(format, w + n0 * row_bytes, row_bytes, rows, K, 0, Kp, scratch, a, a_stride);
