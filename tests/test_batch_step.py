@@ -249,3 +249,24 @@ def test_controller_prefers_the_sequence_whose_drafts_get_accepted():
         poor.observe_verdict("k", 4, 0)
     allocation = controller.allocate([(good, _chain(4, "k")), (poor, _chain(4, "k"))], 2, 2)
     assert allocation.sizes[0] > allocation.sizes[1]
+
+
+def test_controller_extends_the_cost_curve_past_its_largest_forward_along_its_slope():
+    """Past the largest forward measured (under load: a 128-row prefill chunk beside 16 decoding
+    rows), rows cost what the measured curve's slope says, not nothing: taken as free, drafts
+    rode along every prefill step and the controller fell below plain batching at 16 clients."""
+    controller = BatchController()
+    controller.observe_forward(1, 0.090)
+    assert controller.cost(2) == controller.cost(1)  # one size measured: optimistic, so it is tried
+    for rows, seconds in ((16, 0.120), (144, 0.555)):
+        controller.observe_forward(rows, seconds)
+    slope = (0.555 - 0.120) / (144 - 16)  # from the largest measured size at most half as big
+    assert controller.cost(200) == pytest.approx(0.555 + 56 * slope)
+    assert controller.cost(80) == pytest.approx(0.120 + (80 - 16) / 128 * (0.555 - 0.120))  # interpolated
+    # drafts beside that chunk pay their rows (3.4 ms each): a rarely accepted draft is not worth
+    # them, where "as cheap as the largest" made every row past 144 look free
+    policy = DraftLengthPolicy(forward_s=controller.forward_s)
+    for _ in range(30):
+        policy.observe_verdict("weak", 6, 0)
+    drafts = [(policy, _chain(6, "weak"))] * 16
+    assert controller.allocate(drafts, 16 + 128, 16, num_prefill_rows=128).sizes == [0] * 16
