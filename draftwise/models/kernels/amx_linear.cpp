@@ -18,7 +18,10 @@
 //
 // How: A = 16 weight rows, decoded and rounded once per call into a buffer (row-major, as decoded),
 // B = 16 rows of x laid out in pairs of columns (the layout tdpbf16ps reads its second operand in),
-// C[n][m] = their products: up to 6 C tiles (96 rows of x) share each A tile load.
+// C[n][m] = their products, written to y through a register transpose. Three layouts by rows of
+// x: up to 16 (a decode or verify step) one B tile against four groups of weight rows; 17-32 two
+// B tiles against two groups; more (a prefill) up to 6 C tiles (96 rows of x) per A tile load, in
+// blocks of at most 512 rows of x. Each C element's sum is the same in all three.
 #include "bf16.h"
 #include "formats.h"
 #include "kernels.h"
