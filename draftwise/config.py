@@ -45,6 +45,8 @@ class SamplingParams:
             raise ConfigError(f"top_p={self.top_p} is invalid: it must be in (0, 1]; 1 disables it.")
         if not 0.0 <= self.min_p < 1.0:
             raise ConfigError(f"min_p={self.min_p} is invalid: it must be in [0, 1); 0 disables it.")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise ConfigError(f"seed={self.seed} is invalid: it must fit in 64 bits (-2**63 .. 2**64 - 1).")
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens={self.max_new_tokens} is invalid: it must be at least 1.")
         if self.sampling_mode not in SAMPLING_MODES:

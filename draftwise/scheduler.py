@@ -167,7 +167,9 @@ class Scheduler:
             try:
                 request.sequence = engine.start(request.prompt_ids, request.params, fork_drafter(engine.drafter), policy,
                                                 request.num_draft_tokens)
-            except DraftwiseError as error:
+            except Exception as error:  # this request's error, never the loop's: others keep being served
+                if not isinstance(error, DraftwiseError):
+                    logger.exception("starting a request failed; it gets an error")
                 request.on_event(Event(error=error))
                 continue
             self.running.append(request)

@@ -270,3 +270,34 @@ def test_controller_extends_the_cost_curve_past_its_largest_forward_along_its_sl
         policy.observe_verdict("weak", 6, 0)
     drafts = [(policy, _chain(6, "weak"))] * 16
     assert controller.allocate(drafts, 16 + 128, 16, num_prefill_rows=128).sizes == [0] * 16
+
+
+def test_a_request_that_fails_to_start_gets_its_error_and_the_loop_serves_the_next(smollm2, monkeypatch):
+    """An unexpected error while admitting one request (not a DraftwiseError) goes to that request;
+    it once killed the scheduler's thread, and every later client waited forever."""
+    import queue
+
+    from draftwise.scheduler import Request, Scheduler
+
+    engine = Engine(smollm2)
+    real_start = engine.start
+    broken = SamplingParams(max_new_tokens=4, seed=7)
+
+    def start(prompt_ids, params, *rest):
+        if params is broken:
+            raise ValueError("a bug in starting this request")
+        return real_start(prompt_ids, params, *rest)
+
+    monkeypatch.setattr(engine, "start", start)
+    events: dict[str, queue.Queue] = {"broken": queue.Queue(), "fine": queue.Queue()}
+    scheduler = Scheduler(engine, max_batch=4).start()
+    try:
+        prompt_ids = engine.encode(PROMPTS[2])
+        scheduler.submit(Request(prompt_ids, broken, events["broken"].put))
+        assert isinstance(events["broken"].get(timeout=60).error, ValueError)
+        scheduler.submit(Request(prompt_ids, SamplingParams(max_new_tokens=4), events["fine"].put))
+        while (event := events["fine"].get(timeout=120)).result is None:
+            assert event.error is None
+        assert event.result.token_ids == engine.generate(PROMPTS[2], SamplingParams(max_new_tokens=4)).token_ids
+    finally:
+        scheduler.stop()

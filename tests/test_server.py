@@ -220,6 +220,8 @@ BAD_INPUTS = [
     ("bad speculative", {"messages": [{"role": "user", "content": "hi"}], "speculative": {"num_draft_tokens": -1}}, {},
      400, "num_draft_tokens"),
     ("logprobs", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, {}, 400, "logprobs"),
+    # a seed the random generator cannot take: once a 500-less hang (it killed the batch loop)
+    ("seed beyond 64 bits", {"messages": [{"role": "user", "content": "hi"}], "seed": 2**64}, {}, 400, "seed"),
 ]
 
 
