@@ -7,8 +7,10 @@ invariance test in tests/test_batch_invariance.py runs amx too where it can.)"""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from gguf import quants
 
 from draftwise.config import SamplingParams
 from draftwise.drafters import NgramDrafter
@@ -48,6 +50,30 @@ def test_amx_rows_are_bit_identical_whatever_rows_are_beside_them(kernels, forma
     weight.activations = "bf16"
     dot_products = weight.matmul(x)
     assert (alone - dot_products).abs().max() <= 1e-5 * dot_products.abs().max()
+
+
+@pytest.mark.parametrize("format, make", CASES, ids=[format.name for format, _ in CASES])
+def test_the_products_see_each_weight_rounded_to_bfloat16(kernels, format, make):
+    """A one-hot row of x picks one column of the weights: each output is then one exact product,
+    so y is the weights' own values rounded to bfloat16 (nearest even), as the decoders handed
+    them to the products, in every layout (decode, pair, prefill) of the tiles and both of bf16's
+    (in registers up to 8 rows, tiles beyond). Catches a decoder that rounds a table or a scale
+    differently (the Q4_K word-permute tables, the scales built in a register)."""
+    data, num_columns = make(format)
+    weight = BlockWeight(data, format, num_columns)
+    values = quants.dequantize(data.numpy(), format).reshape(weight.num_rows, num_columns)  # gguf-py's, not ours
+    expected = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).bfloat16().float().T  # [columns, rows]
+    torch.manual_seed(int(format) + 7)
+    columns = torch.randperm(num_columns)[:97]
+    one_hot = torch.eye(num_columns)[columns].contiguous()
+    settings = ["bf16"] + (["amx"] if kernels.amx_in_hardware() else [])
+    for activations, row_counts in (("bf16", (1, 8, 40)), ("amx", (1, 16, 25, 97))):
+        if activations not in settings:
+            continue
+        product = kernels.amx_linear if activations == "amx" else kernels.bf16_linear
+        for rows in row_counts:
+            got = product(one_hot[:rows], data, int(format), num_columns)
+            assert torch.equal(got, expected[columns[:rows]]), f"{activations}, {rows} rows: not the rounded weights"
 
 
 GREEDY = SamplingParams(max_new_tokens=24)

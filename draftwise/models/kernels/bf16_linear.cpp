@@ -254,25 +254,40 @@ constexpr int ROWS_ABREAST = 2;
 
 void round_rows(int64_t format, const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t K, int64_t k0,
                 int64_t columns, float* scratch, uint16_t* out, int64_t out_stride) {
-  int64_t j = 0;
+  int64_t abreast = 0;  // rows rounded abreast; the rest one at a time
   if (is_block_format(format)) {  // rows abreast: the decoders' independent work overlaps
     with_blocks(format, [&](auto b) {
       using B = decltype(b);
+      // Copies of what this lambda reads by reference: the rounded values are stored through
+      // memcpy, which may alias anything, so each store reloaded them (perf: an imul of the
+      // stride from memory per 32 stored weights).
+      const int64_t stride = out_stride, bytes = row_bytes, width = columns, offset = k0 / B::WEIGHTS * B::BYTES;
+      const uint8_t* const weights = w;
+      uint16_t* const rounded_out = out;
+      int64_t j = 0;
       for (; j + ROWS_ABREAST <= rows; j += ROWS_ABREAST) {
         const uint8_t* block[ROWS_ABREAST];
-        for (int r = 0; r < ROWS_ABREAST; ++r) block[r] = w + (j + r) * row_bytes + k0 / B::WEIGHTS * B::BYTES;
-        for (int64_t k = 0; k < columns; k += B::WEIGHTS) {
+        uint16_t* dst[ROWS_ABREAST];
+        for (int r = 0; r < ROWS_ABREAST; ++r) {
+          block[r] = weights + (j + r) * bytes + offset;
+          dst[r] = rounded_out + (j + r) * stride;
+        }
+        for (int64_t k = 0; k < width; k += B::WEIGHTS) {
           for (int r = 0; r < ROWS_ABREAST; ++r)  // the next rows, as fused_rows does: the prefetchers lose short streams
-            for (int64_t line = 0; line < B::BYTES; line += 64) __builtin_prefetch(block[r] + ROWS_ABREAST * row_bytes + line);
+            for (int64_t line = 0; line < B::BYTES; line += 64) __builtin_prefetch(block[r] + ROWS_ABREAST * bytes + line);
           Rounded<B>::template decode<ROWS_ABREAST>(block, [&](int step, const vb32* rounded) DRAFTWISE_INLINE_LAMBDA {
-            for (int r = 0; r < ROWS_ABREAST; ++r) std::memcpy(out + (j + r) * out_stride + k + COLUMNS * step, &rounded[r], 64);
+            for (int r = 0; r < ROWS_ABREAST; ++r) std::memcpy(dst[r] + COLUMNS * step, &rounded[r], 64);
           });
-          for (int r = 0; r < ROWS_ABREAST; ++r) block[r] += B::BYTES;
+          for (int r = 0; r < ROWS_ABREAST; ++r) {
+            block[r] += B::BYTES;
+            dst[r] += B::WEIGHTS;
+          }
         }
       }
+      abreast = j;
     });
   }
-  for (; j < rows; ++j) round_row(format, w + j * row_bytes, K, k0, columns, scratch, out + j * out_stride);
+  for (int64_t j = abreast; j < rows; ++j) round_row(format, w + j * row_bytes, K, k0, columns, scratch, out + j * out_stride);
 }
 
 namespace {

@@ -401,10 +401,8 @@ inline void kquant_decode(RoundedRows x, const float* x_d, const uint8_t* row, f
     float d;
     v16 coef;
     if constexpr (FORMAT == Q4_K) {
-      alignas(16) uint8_t scales[16];
-      q4k_scales(block + 4, scales);
       d = half_to_float(block);
-      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales));
+      const __m128i packed = q4k_scales_register(block + 4);
       table[0] = table[1] = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(packed));
       const __m128i mins = _mm_unpackhi_epi8(packed, packed);  // each min twice: one per 16 columns
       const __m512 m = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mins));
