@@ -109,6 +109,45 @@ def test_llama_cpp_is_skipped_with_the_install_command_when_missing(smollm2, mon
     assert any(note.startswith("llama.cpp:") and "pip install llama-cpp-python" in note for note in skipped)
 
 
+class _PrefixCachingLlama:
+    """llama_cpp.Llama's prompt reuse, reduced: generate() evaluates only the part of the prompt
+    past the longest prefix it shares with what it evaluated last, unless reset() ran."""
+
+    def __init__(self) -> None:
+        self.evaluated: list[int] = []
+        self.prefilled: list[int] = []  # prompt tokens each generate() call evaluated
+
+    def reset(self) -> None:
+        self.evaluated = []
+
+    def generate(self, tokens, **_):
+        shared = 0
+        for a, b in zip(self.evaluated, tokens):
+            if a != b:
+                break
+            shared += 1
+        self.prefilled.append(len(tokens) - shared)
+        self.evaluated = list(tokens)
+        for step in range(100):
+            self.evaluated.append(7)
+            yield 7
+
+
+def test_llama_cpp_rows_prefill_every_prompt_whole():
+    """draftwise keeps no prompt cache, so llama.cpp's rows must not reuse the last prompt's keys
+    and values (the warm-up's run of the first prompt, the chat template's shared system prompt):
+    each run prefills its whole prompt."""
+    from draftwise.bench.methods import LlamaCppMethod
+
+    llm = _PrefixCachingLlama()
+    method = LlamaCppMethod("llama.cpp plain", llm, lambda messages: [1, 2, 3] + [len(m["content"]) for m in messages],
+                            (0,), None)
+    first, second = [{"role": "user", "content": "ab"}], [{"role": "user", "content": "abc"}]
+    for messages in (first, first, second):  # a warm-up, the same prompt, one sharing its template prefix
+        assert method.run(messages, 4).token_ids == [7, 7, 7, 7]
+    assert llm.prefilled == [4, 4, 4]
+
+
 def test_unknown_quantization_is_refused_before_loading():
     with pytest.raises(ConfigError, match="int3"):
         BenchConfig(quantize=("int3",))

@@ -74,6 +74,11 @@ class LlamaCppMethod:
         self.reference = reference
 
     def run(self, messages: list[dict], max_new_tokens: int) -> MethodOutput:
+        # Forget the last prompt's keys and values: generate() would otherwise reuse the longest
+        # prefix it shares with this one (the chat template's system prompt on every prompt; the
+        # whole prompt on the first, which the warm-up ran), and llama.cpp's rows would skip
+        # prefill that draftwise's rows pay (draftwise keeps no prompt cache).
+        self.llm.reset()
         tokens: list[int] = []
         for token in self.llm.generate(self.encode(messages), top_k=1, top_p=1.0, min_p=0.0, temp=0.0,
                                        repeat_penalty=1.0, reset=True):
