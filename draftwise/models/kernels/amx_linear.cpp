@@ -127,12 +127,13 @@ void wide_products(const uint16_t* a, int64_t a_stride, const uint16_t* b, int64
   }
 }
 
-// out[m * out_stride + j] = tile[j * 16 + m] for a whole 16 x 16 C tile: a register transpose
-// (unpack pairs, then quads, then 128-bit lanes twice), so that each row of y is written as one
-// 64-byte line instead of sixteen scattered floats.
-void store_transposed(const float* tile, float* out, int64_t out_stride) {
+// out[m * out_stride + j] = tile[j * in_stride + m] for a whole 16 x 16 block of 32-bit values: a
+// register transpose (unpack pairs, then quads, then 128-bit lanes twice), so that each row of y
+// is written as one 64-byte line instead of sixteen scattered floats, and 16 rows of x become a B
+// tile (their bfloat16 pairs moved as 32-bit units: shuffles move bits, never round them).
+void store_transposed(const float* tile, float* out, int64_t out_stride, int64_t in_stride = 16) {
   __m512 r[16], t[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(tile + 16 * i);
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(tile + in_stride * i);
   for (int i = 0; i < 16; i += 2) {
     t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);      // per lane: a0 b0 a1 b1
     t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);  // a2 b2 a3 b3
@@ -210,15 +211,24 @@ void amx_rows(const float* x, int64_t M, const uint8_t* w, int64_t N, int64_t ro
   // width = M for a decode step (every entry written), else 16.
   const int64_t num_chunks = (M + ROWS - 1) / ROWS, width = std::min(M, ROWS);
   const int64_t chunk_stride = steps * ROWS * 2 * width;
-  std::unique_ptr<uint16_t[]> b(num_chunks == 1 ? new uint16_t[chunk_stride] : new uint16_t[num_chunks * chunk_stride]());
+  std::unique_ptr<uint16_t[]> b(new uint16_t[num_chunks * chunk_stride]);
   at::parallel_for(0, num_chunks, 1, [&](int64_t c0, int64_t c1) {
-    for (int64_t c = c0; c < c1; ++c)
+    for (int64_t c = c0; c < c1; ++c) {
+      uint16_t* chunk = b.get() + c * chunk_stride;
+      if (width == ROWS && (c + 1) * ROWS <= M) {  // 16 rows: each step's tile is a 16 x 16 transpose of pairs
+        for (int64_t s = 0; s < steps; ++s)
+          store_transposed(reinterpret_cast<const float*>(x_rounded.data() + c * ROWS * Kp + s * COLUMNS),
+                           reinterpret_cast<float*>(chunk + s * ROWS * COLUMNS), ROWS, Kp / 2);
+        continue;
+      }
+      if (width == ROWS) std::fill(chunk, chunk + chunk_stride, uint16_t(0));  // the last chunk's missing rows
       for (int64_t m = c * ROWS; m < std::min(M, (c + 1) * ROWS); ++m)
         for (int64_t s = 0; s < steps; ++s)
           for (int64_t pair = 0; pair < COLUMNS / 2; ++pair) {
-            uint16_t* out = b.get() + c * chunk_stride + (s * ROWS + pair) * 2 * width + (m % ROWS) * 2;
+            uint16_t* out = chunk + (s * ROWS + pair) * 2 * width + (m % ROWS) * 2;
             std::memcpy(out, x_rounded.data() + m * Kp + s * COLUMNS + 2 * pair, 4);
           }
+    }
   });
   // A work item: up to 4 groups of 16 weight rows (the C tiles of a decode step), decoded and
   // rounded once into a buffer; fewer where that splits the groups more evenly over the threads

@@ -368,6 +368,10 @@ void round_x_rows(const float* x, int64_t M, int64_t K, int64_t Kp, uint16_t* ou
     for (int64_t m = m0; m < m1; ++m)
       for (int64_t k = 0; k < Kp; k += COLUMNS) {
         const int64_t present = std::min(COLUMNS, K - k);
+        if (present == COLUMNS) {  // no padding: round straight from x
+          round32(x + m * K + k, out + m * Kp + k);
+          continue;
+        }
         std::memcpy(padded, x + m * K + k, present * 4);
         std::fill(padded + present, padded + COLUMNS, 0.0f);
         round32(padded, out + m * Kp + k);
