@@ -23,6 +23,7 @@ from draftwise.models.kernels import native_kernels
 from draftwise.models.linear import (WeightFormat, check_activations, check_quantize, default_activations,
                                      use_activations)
 from draftwise.models.llama import SUPPORTED_ARCHITECTURES, DecoderShape, LlamaModel
+from draftwise.models.memory import keep_freed_memory
 
 # --dtype: how the native decoder stores weights (activations: --activations, models/linear.py).
 # "auto": a GGUF model's blocks as shipped (4-8 bits a weight), any other model in float32.
@@ -109,6 +110,7 @@ def load(spec: str, dtype: str = "auto", auto_fetch: bool = False, progress: boo
     check_quantize(quantize)  # before the slow part
     check_activations(activations)
     native_kernels(progress)  # the first load on a machine compiles them: say so
+    keep_freed_memory()  # forwards reuse their tensors' pages instead of faulting them in again
     folder = resolve(spec, auto_fetch=auto_fetch, progress=progress)
     gguf_file = gguf_source(spec) if dtype == "auto" and quantize is None else None
     with tqdm(total=3, desc=f"loading {spec}", unit="step", disable=not progress, leave=False) as bar:
