@@ -40,16 +40,27 @@ class StepReport:
 
 
 def run_step(model, sequences: list[Sequence], controller: BatchController | None,
-             hidden_layers: tuple[int, ...] = (), prefill_chunk: int | None = None) -> StepReport:
+             hidden_layers: tuple[int, ...] = (), prefill_chunk: int | None = None,
+             prefill_budget: int | None = None) -> StepReport:
     """Advance every unfinished sequence by one target forward. prefill_chunk: the most prompt
-    tokens a prefilling sequence feeds per step (None: the whole prompt at once)."""
+    tokens a prefilling sequence feeds per step (None: the whole prompt at once); prefill_budget:
+    the most prompt tokens all of them feed together (None: no limit). Prefilling sequences take
+    their chunks in order until the budget is spent; the rest wait for a later step."""
     live = [seq for seq in sequences if not seq.finished]
+    chunks = {}
+    budget = prefill_budget
+    for seq in live:
+        if seq.prefilling and (budget is None or budget > 0):
+            rows = _prefill_rows(seq, prefill_chunk if budget is None else min(budget, prefill_chunk or budget))
+            chunks[id(seq)] = rows
+            if budget is not None:
+                budget -= len(rows)
+    live = [seq for seq in live if not seq.prefilling or id(seq) in chunks]
     report = StepReport(batch_size=len(live))
     if not live:
         return report
     decoding = [seq for seq in live if not seq.prefilling]
     drafts = _propose_all(decoding)
-    chunks = {id(seq): _prefill_rows(seq, prefill_chunk) for seq in live if seq.prefilling}
     report.num_prefill_rows = sum(len(rows) for rows in chunks.values())
     if controller is not None and decoding:
         completing = sum(seq.num_prefilled + len(chunks[id(seq)]) == len(seq.prompt_ids)

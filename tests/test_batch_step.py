@@ -67,10 +67,10 @@ def test_batched_forward_logits_are_bit_identical_to_each_sequence_alone(smollm2
     assert torch.equal(reference[1].keys[:, :, :, :30], caches[1].keys[:, :, :, :30])
 
 
-def _decode_together(engine: Engine, jobs, join_steps, prefill_chunk=16):
+def _decode_together(engine: Engine, jobs, join_steps, prefill_chunk=16, prefill_budget=None, reports=None):
     """Run jobs [(prompt, params, drafter, num_draft_tokens)] in one batch, each joining at its
-    step; returns their results. An engine without a draft-length policy verifies every draft
-    token (fixed lengths)."""
+    step; returns their results (and appends each step's report to `reports`). An engine without
+    a draft-length policy verifies every draft token (fixed lengths)."""
     sequences = [None] * len(jobs)
     step = 0
     while step == 0 or any(seq is None or not seq.finished for seq in sequences):
@@ -78,8 +78,10 @@ def _decode_together(engine: Engine, jobs, join_steps, prefill_chunk=16):
             if sequences[index] is None and join_steps[index] <= step:
                 policy = engine.controller.new_policy() if engine.controller is not None else None
                 sequences[index] = engine.start(engine.encode(prompt), params, fork_drafter(drafter), policy, num_draft)
-        run_step(engine.target.model, [seq for seq in sequences if seq is not None], engine.controller,
-                 engine.hidden_layers, prefill_chunk)
+        report = run_step(engine.target.model, [seq for seq in sequences if seq is not None], engine.controller,
+                          engine.hidden_layers, prefill_chunk, prefill_budget)
+        if reports is not None:
+            reports.append(report)
         step += 1
     return [result_of(seq) for seq in sequences]
 
@@ -104,6 +106,24 @@ def test_greedy_batch_equals_each_request_alone(smollm2):
     for (prompt, params, _, _), result in zip(jobs, together):
         assert result.token_ids == plain.generate(prompt, params).token_ids
     assert sum(r.metrics.num_accepted_tokens for r in together) > 0  # speculation really ran
+
+
+def test_a_step_prefill_budget_makes_prompts_wait_their_turn_and_changes_no_output(smollm2):
+    """With at most 20 prompt tokens per step for all prefilling sequences together (16 each),
+    six prompts arriving at once enter a few at a time; no step exceeds the budget, some step
+    leaves a prompt waiting, and every output still equals plain greedy decoding alone."""
+    ngram = NgramDrafter(1, 3)
+    from draftwise.draft_length import DraftLengthPolicy
+
+    engine = Engine(smollm2, ngram, 10, DraftLengthPolicy())
+    plain = Engine(smollm2)
+    jobs = _jobs(lambda i: SamplingParams(max_new_tokens=12), ngram)
+    reports = []
+    together = _decode_together(engine, jobs, join_steps=[0] * 6, prefill_budget=20, reports=reports)
+    assert max(report.num_prefill_rows for report in reports) <= 20
+    assert any(report.batch_size < 6 and report.num_prefill_rows for report in reports[:3])  # some prompt waited
+    for (prompt, params, _, _), result in zip(jobs, together):
+        assert result.token_ids == plain.generate(prompt, params).token_ids
 
 
 def test_greedy_eagle_trees_in_a_batch_equal_plain_greedy(smollm2, eagle_drafter):
