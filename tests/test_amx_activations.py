@@ -66,11 +66,10 @@ def test_the_products_see_each_weight_rounded_to_bfloat16(kernels, format, make)
     torch.manual_seed(int(format) + 7)
     columns = torch.randperm(num_columns)[:97]
     one_hot = torch.eye(num_columns)[columns].contiguous()
-    settings = ["bf16"] + (["amx"] if kernels.amx_in_hardware() else [])
-    for activations, row_counts in (("bf16", (1, 8, 40)), ("amx", (1, 16, 25, 97))):
-        if activations not in settings:
-            continue
-        product = kernels.amx_linear if activations == "amx" else kernels.bf16_linear
+    products = [("bf16", kernels.bf16_linear, (1, 8, 40))]
+    if kernels.amx_in_hardware():
+        products.append(("amx", kernels.amx_linear, (1, 16, 25, 97)))
+    for activations, product, row_counts in products:
         for rows in row_counts:
             got = product(one_hot[:rows], data, int(format), num_columns)
             assert torch.equal(got, expected[columns[:rows]]), f"{activations}, {rows} rows: not the rounded weights"
