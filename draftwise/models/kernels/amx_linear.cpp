@@ -193,8 +193,8 @@ bool amx_in_hardware() { return tiles_permitted(); }
 void amx_rows(const float* x, int64_t M, const uint8_t* w, int64_t N, int64_t row_bytes, int64_t format, int64_t K,
               float* out) {
   const int64_t Kp = (K + COLUMNS - 1) / COLUMNS * COLUMNS, steps = Kp / COLUMNS;
-  std::vector<uint16_t> x_rounded(M * Kp);
-  round_x_rows(x, M, K, Kp, x_rounded.data());
+  std::unique_ptr<uint16_t[]> x_rounded(new uint16_t[M * Kp]);  // every entry written by round_x_rows
+  round_x_rows(x, M, K, Kp, x_rounded.get());
   // B tiles: chunk c (rows 16c..16c+15 of x, zeros past M), step s -> [16 column pairs][width rows][2];
   // width = M for a decode step (every entry written), else 16.
   const int64_t num_chunks = (M + ROWS - 1) / ROWS, width = std::min(M, ROWS);
@@ -205,7 +205,7 @@ void amx_rows(const float* x, int64_t M, const uint8_t* w, int64_t N, int64_t ro
       uint16_t* chunk = b.get() + c * chunk_stride;
       if (width == ROWS && (c + 1) * ROWS <= M) {  // 16 rows: each step's tile is a 16 x 16 transpose of pairs
         for (int64_t s = 0; s < steps; ++s)
-          store_transposed(reinterpret_cast<const float*>(x_rounded.data() + c * ROWS * Kp + s * COLUMNS),
+          store_transposed(reinterpret_cast<const float*>(x_rounded.get() + c * ROWS * Kp + s * COLUMNS),
                            reinterpret_cast<float*>(chunk + s * ROWS * COLUMNS), ROWS, Kp / 2);
         continue;
       }
@@ -214,7 +214,7 @@ void amx_rows(const float* x, int64_t M, const uint8_t* w, int64_t N, int64_t ro
         for (int64_t s = 0; s < steps; ++s)
           for (int64_t pair = 0; pair < COLUMNS / 2; ++pair) {
             uint16_t* out = chunk + (s * ROWS + pair) * 2 * width + (m % ROWS) * 2;
-            std::memcpy(out, x_rounded.data() + m * Kp + s * COLUMNS + 2 * pair, 4);
+            std::memcpy(out, x_rounded.get() + m * Kp + s * COLUMNS + 2 * pair, 4);
           }
     }
   });
