@@ -174,3 +174,38 @@ def test_tf32_for_training_on_a_gpu_is_undone_afterwards():
     assert torch.backends.cuda.matmul.allow_tf32 == before
     with _tf32_matmuls(torch.device("cpu")):
         assert torch.backends.cuda.matmul.allow_tf32 == before
+
+
+def _conversations(tokenizer, count: int):
+    from draftwise.train.data import Conversation
+
+    conversations = []
+    for number, prompt in enumerate(PROMPTS[:count]):
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                 add_generation_prompt=True)
+        answer = tokenizer.encode(f" Answer number {number}: it depends on the details.", add_special_tokens=False)
+        conversations.append(Conversation(tokenizer.encode(rendered, add_special_tokens=False), answer))
+    return conversations
+
+
+def test_hidden_states_from_the_native_decoder_are_transformers_own_and_do_not_depend_on_packing(smollm2,
+                                                                                                  hf_smollm2):
+    """The CPU records the head's inputs through draftwise's decoder (what the head reads at run
+    time): in float32 they are transformers' hidden states up to summation order, the labels its
+    argmax, and a conversation's rows are the same bits whether packed with others or alone."""
+    from draftwise.heads.eagle import EagleConfig
+    from draftwise.train.data import record_features, record_features_native
+
+    layers = EagleConfig.for_target(smollm2.model, "smollm2-135m", 512).hidden_layers
+    conversations = _conversations(smollm2.tokenizer, 5)
+    native = record_features_native(smollm2.model, conversations, layers, progress=False)  # packed: one forward
+    reference = record_features(hf_smollm2, conversations, layers, batch_size=5, progress=False)
+    alone = [record_features_native(smollm2.model, [c], layers, progress=False)[0] for c in conversations[:2]]
+    for mine, theirs in zip(native, reference):
+        assert torch.equal(mine.tokens, theirs.tokens) and mine.num_prompt_tokens == theirs.num_prompt_tokens
+        assert mine.features.shape == theirs.features.shape and mine.features.dtype == torch.bfloat16
+        cosine = torch.nn.functional.cosine_similarity(mine.features.float(), theirs.features.float(), dim=-1)
+        assert cosine.min() > 0.999, cosine.min()
+        assert (mine.labels == theirs.labels).float().mean() > 0.95
+    for single, packed in zip(alone, native):
+        assert torch.equal(single.features, packed.features) and torch.equal(single.labels, packed.labels)

@@ -106,7 +106,7 @@ def make_data(target, data_settings: DataSettings, layers: tuple[int, ...], prog
     del generator_model
     tic = time.perf_counter()
     scoring_model = AutoModelForCausalLM.from_pretrained(target.folder, dtype=torch.float32).to(device).eval()
-    examples = datagen.record_features(scoring_model, conversations, layers, batch_size=16, progress=progress)
+    examples = _record(target, scoring_model, conversations, layers, progress, device)
     timings["hidden_states_s"] = time.perf_counter() - tic
     embed = scoring_model.get_input_embeddings().weight.detach().float().cpu().clone()  # [vocab, hidden]
     lm_head = scoring_model.get_output_embeddings().weight.detach().float().cpu()
@@ -147,8 +147,19 @@ def _features_for(bundle: dict, target, layers: tuple[int, ...], progress: bool,
         return [replace(e, features=e.features[:, columns]) for e in bundle["examples"]]
     conversations = [datagen.Conversation(e.tokens[: e.num_prompt_tokens].tolist(), e.tokens[e.num_prompt_tokens:].tolist())
                      for e in bundle["examples"]]
-    model = AutoModelForCausalLM.from_pretrained(target.folder, dtype=torch.float32).to(device).eval()
-    return datagen.record_features(model, conversations, layers, batch_size=16, progress=progress)
+    model = None if device.type == "cpu" else AutoModelForCausalLM.from_pretrained(target.folder, dtype=torch.float32).to(device).eval()
+    return _record(target, model, conversations, layers, progress, device)
+
+
+def _record(target, scoring_model, conversations: list, layers: tuple[int, ...], progress: bool,
+            device: torch.device) -> list[datagen.Example]:
+    """The hidden states and labels: on the CPU from draftwise's own decoder (what the head reads at
+    run time, and faster: on the AMX Xeon, 2 threads, SmolLM2's 256 conversations in 25 s against
+    71 s through transformers in float32, Qwen2.5-Coder-1.5B's 48 in 24-26 s against 132; labels
+    agree at 99.6% of positions), on a GPU from transformers in float32."""
+    if device.type == "cpu":
+        return datagen.record_features_native(target.model, conversations, layers, progress=progress)
+    return datagen.record_features(scoring_model, conversations, layers, batch_size=16, progress=progress)
 
 
 def train_head(target_name: str, output: Path, data_settings: DataSettings = DataSettings(),
