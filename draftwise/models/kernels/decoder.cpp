@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 namespace draftwise {
 
@@ -50,6 +51,20 @@ std::vector<at::Tensor> Decoder::forward(at::Tensor x, const at::Tensor& cos, co
               num_rows.size() == spans && masks.size() == spans,
               "Decoder.forward: one key, value, start, first row, row count and mask per sequence");
   const int64_t N = x.size(0), H = num_heads_, H_kv = num_kv_heads_, D = head_dim_;
+  for (size_t s = 0; s < spans; ++s) {  // [layers, 1, kv_heads, capacity, D] float32, rows contiguous
+    for (const at::Tensor* cache : {&keys[s], &values[s]})
+      TORCH_CHECK(cache->dim() == 5 && cache->scalar_type() == at::kFloat && cache->size(2) == H_kv &&
+                      cache->size(4) == D && cache->stride(4) == 1 && cache->stride(3) == D &&
+                      cache->size(0) >= int64_t(layers_.size()),
+                  "Decoder.forward: a cache must be float32 [layers, 1, ", H_kv, ", capacity, ", D, "] with contiguous rows");
+    TORCH_CHECK(starts[s] >= 0 && starts[s] + num_rows[s] <= keys[s].size(3) && num_rows[s] >= 0 &&
+                    first_rows[s] >= 0 && first_rows[s] + num_rows[s] <= N,
+                "Decoder.forward: sequence ", s, "'s rows or cache slots are out of range");
+    TORCH_CHECK(masks[s].numel() == 0 || (masks[s].dim() == 2 && masks[s].size(0) == num_rows[s] &&
+                                          masks[s].size(1) == num_rows[s] && masks[s].scalar_type() == at::kBool &&
+                                          masks[s].is_contiguous()),
+                "Decoder.forward: sequence ", s, "'s mask must be a contiguous bool [T, T] or empty");
+  }
   const double scale = std::pow(double(D), -0.5);  // Python's head_dim ** -0.5
   std::vector<at::Tensor> results(1);
   for (size_t index = 0; index < layers_.size(); ++index) {
@@ -61,16 +76,28 @@ std::vector<at::Tensor> Decoder::forward(at::Tensor x, const at::Tensor& cos, co
     at::Tensor v = layer.v(h).view({N, H_kv, D});
     rotary(q, cos, sin);
     rotary(k, cos, sin);
-    std::vector<at::Tensor> outputs;
+    // Each sequence's new keys and values into its cache (layer `index`, slots start..), then
+    // attention over every sequence in one parallel region (attention_spans: the same arithmetic
+    // as a call of attention() per sequence, without a call and a join per sequence).
+    at::Tensor attended = at::empty({N, H, D}, x.options());
+    std::vector<AttentionSpan> work(spans);
+    const float* k_rows = k.data_ptr<float>();
+    const float* v_rows = v.data_ptr<float>();
     for (size_t s = 0; s < spans; ++s) {
       const int64_t first = first_rows[s], rows = num_rows[s], start = starts[s];
-      at::Tensor cached_keys = keys[s].select(0, int64_t(index)).select(0, 0);  // [kv_heads, capacity, D]
-      at::Tensor cached_values = values[s].select(0, int64_t(index)).select(0, 0);
-      cached_keys.narrow(1, start, rows).copy_(k.narrow(0, first, rows).transpose(0, 1));
-      cached_values.narrow(1, start, rows).copy_(v.narrow(0, first, rows).transpose(0, 1));
-      outputs.push_back(attention(q.narrow(0, first, rows), cached_keys, cached_values, start, masks[s], scale));
+      float* cached_keys = keys[s].data_ptr<float>() + int64_t(index) * keys[s].stride(0);  // [kv_heads, capacity, D]
+      float* cached_values = values[s].data_ptr<float>() + int64_t(index) * values[s].stride(0);
+      const int64_t k_stride = keys[s].stride(2), v_stride = values[s].stride(2);
+      for (int64_t h = 0; h < H_kv; ++h)
+        for (int64_t r = 0; r < rows; ++r) {
+          std::memcpy(cached_keys + h * k_stride + (start + r) * D, k_rows + ((first + r) * H_kv + h) * D, D * 4);
+          std::memcpy(cached_values + h * v_stride + (start + r) * D, v_rows + ((first + r) * H_kv + h) * D, D * 4);
+        }
+      work[s] = AttentionSpan{q.data_ptr<float>() + first * H * D, cached_keys, cached_values, k_stride, v_stride,
+                              masks[s].numel() ? masks[s].data_ptr<bool>() : nullptr,
+                              attended.data_ptr<float>() + first * H * D, rows, start};
     }
-    at::Tensor attended = spans == 1 ? outputs[0] : at::cat(outputs);
+    attention_spans(work, H, H_kv, D, scale);
     x = at::add(x, layer.o(attended.reshape({N, H * D})));  // Python's x + y
     // The gated MLP (llama.py's MLP.forward).
     h = rms_norm(x, layer.post_attention_norm, eps_);

@@ -4,6 +4,8 @@
 
 #include "vec.h"
 
+#include <vector>
+
 namespace draftwise {
 
 // x [M, K] float32 @ W.T, W [N, bytes per row] uint8 holding N rows of K weights in `format`
@@ -31,8 +33,24 @@ at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up);
 // Rotary position embedding of x [T, H, D] in place, cos / sin [T, D]; bit for bit PyTorch's
 // x * cos + rotate_half(x) * sin.
 void rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
-// Attention of new queries over a cache; see attention.cpp.
+// Attention of new queries over a cache; see rowwise.cpp.
 at::Tensor attention(const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values,
                         int64_t start, const at::Tensor& mask, double scale);
+// One sequence's share of a batched forward's attention: its T new queries [T, H, D] (their keys
+// and values already at cache slots start..start+T-1), its cache's keys and values [H_kv,
+// capacity, D] (rows contiguous; k_stride / v_stride floats from one head to the next), its mask
+// [T, T] (nullptr: causal) and where its output rows [T, H, D] go.
+struct AttentionSpan {
+  const float* queries;
+  const float* keys;
+  const float* values;
+  int64_t k_stride, v_stride;
+  const bool* mask;
+  float* out;
+  int64_t T, start;
+};
+// attention() for every span at once, in one parallel region: each query's arithmetic is
+// attention()'s, so the bits are the same.
+void attention_spans(const std::vector<AttentionSpan>& spans, int64_t H, int64_t H_kv, int64_t D, double scale);
 
 }  // namespace draftwise

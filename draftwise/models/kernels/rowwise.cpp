@@ -229,6 +229,150 @@ void rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   });
 }
 
+namespace {
+
+constexpr int64_t QUERIES = 8;  // positions per work item
+constexpr int64_t TILE = 32;    // keys per tile: 16 KB of keys or values (D = 128), in L1 for every query
+
+// Positions split into chunks of at most 8, as even as can be (9 -> 5 + 4, not 8 + 1: the threads
+// share the work evenly). A query's arithmetic does not depend on its chunk.
+int64_t num_chunks(int64_t T) { return (T + QUERIES - 1) / QUERIES; }
+
+// Work item `item` of a span (0 .. H_kv * num_chunks(T)): one key/value head and one chunk of
+// positions; its group's heads x positions are the queries, and each tile of keys, then of values,
+// is read once for all of them. Chunks in the order 0, last, 1, last - 1, ...: causal chunks cost
+// more the later they are, and the threads take contiguous runs of items, so each run gets early
+// and late chunks alike (a group of 3 heads over 2 threads was split 1.25 : 1.75 before).
+void attend(const AttentionSpan& span, int64_t item, int64_t H, int64_t H_kv, int64_t D, double scale) {
+  const int64_t T = span.T, start = span.start, group = H / H_kv, total = start + T;
+  const bool causal = span.mask == nullptr;
+  const bool* mp = span.mask;
+  const int64_t chunks = num_chunks(T), per_chunk = (T + chunks - 1) / chunks;
+  const int64_t g = item / chunks, z = item % chunks, chunk = z % 2 == 0 ? z / 2 : chunks - 1 - z / 2;
+  const int64_t t0 = chunk * per_chunk, nt = std::min(per_chunk, T - t0);
+  const float* K = span.keys + g * span.k_stride;
+  const float* V = span.values + g * span.v_stride;
+  const int64_t end = causal ? start + t0 + nt : total;  // no query here sees past slot end - 1
+  const int64_t row = end + 16, num_queries = group * nt;
+  std::vector<float>& buffer = scratch();
+  if (int64_t(buffer.size()) < num_queries * (row + D + 1)) buffer.resize(num_queries * (row + D + 1));
+  float* scores = buffer.data();                      // [query][row], query = head in group * nt + i
+  float* acc = buffer.data() + num_queries * row;     // [query][D]
+  float* sums = acc + num_queries * D;                // [query]: each softmax's total weight
+  static thread_local std::vector<int32_t> key_buffer;
+  if (int64_t(key_buffer.size()) < QUERIES * row) key_buffer.resize(QUERIES * row);
+  int32_t* keys_of = key_buffer.data();  // [i][row]: the slots position t0 + i sees, in order (all heads alike)
+  int64_t count[QUERIES] = {};
+  for (int64_t i = 0; i < nt; ++i) {
+    const int64_t t = t0 + i;
+    if (causal) {  // slots 0 .. start + t
+      count[i] = start + t + 1;
+      std::iota(keys_of + i * row, keys_of + i * row + count[i], int32_t(0));
+      continue;
+    }
+    for (int64_t j = 0; j < start; ++j) keys_of[i * row + count[i]++] = int32_t(j);
+    for (int64_t j = 0; j < T; ++j)
+      if (mp[t * T + j]) keys_of[i * row + count[i]++] = int32_t(start + j);
+  }
+  // Scores, a tile of keys at a time (four adjacent keys share one reduction: dot4), up to
+  // 4 of the group's heads at once sharing each key's loads.
+  int64_t cursor[QUERIES];
+  for (int64_t h0 = 0; h0 < group; h0 += 4) {
+    const int64_t nh = std::min<int64_t>(4, group - h0);
+    std::fill(cursor, cursor + QUERIES, 0);
+    for (int64_t j1 = TILE; j1 < end + TILE; j1 += TILE) {
+      for (int64_t i = 0; i < nt; ++i) {
+        const float* query[4];
+        float* s[4];
+        for (int64_t hh = 0; hh < nh; ++hh) {
+          query[hh] = span.queries + ((t0 + i) * H + g * group + h0 + hh) * D;
+          s[hh] = scores + ((h0 + hh) * nt + i) * row;
+        }
+        const int32_t* keys_i = keys_of + i * row;
+        int64_t c = cursor[i];
+        while (c < count[i] && keys_i[c] < j1) {
+          if (c + 4 <= count[i] && keys_i[c + 3] == keys_i[c] + 3) {
+            const float* key = K + int64_t(keys_i[c]) * D;
+            float* at[4];
+            for (int64_t hh = 0; hh < nh; ++hh) at[hh] = s[hh] + c;
+            switch (nh) {
+              case 1: dot4<1>(query, key, D, at); break;
+              case 2: dot4<2>(query, key, D, at); break;
+              case 3: dot4<3>(query, key, D, at); break;
+              default: dot4<4>(query, key, D, at); break;
+            }
+            c += 4;
+          } else {
+            for (int64_t hh = 0; hh < nh; ++hh) s[hh][c] = dot(query[hh], K + int64_t(keys_i[c]) * D, D);
+            c += 1;
+          }
+        }
+        cursor[i] = c;
+      }
+    }
+  }
+  // Softmax per query.
+  for (int64_t query = 0; query < num_queries; ++query) {
+    const int64_t n = count[query % nt];
+    float* s = scores + query * row;
+    sums[query] = exp_and_sum(s, n, scale_and_max(s, n, float(scale)));
+    std::fill(acc + query * D, acc + (query + 1) * D, 0.0f);
+  }
+  // Weighted sums of values, a tile of values at a time, each query's sum in key order.
+  std::fill(cursor, cursor + QUERIES, 0);
+  for (int64_t j1 = TILE; j1 < end + TILE; j1 += TILE) {
+    for (int64_t i = 0; i < nt; ++i) {
+      const int32_t* keys_i = keys_of + i * row;
+      const int64_t c0 = cursor[i];
+      int64_t c1 = c0;
+      while (c1 < count[i] && keys_i[c1] < j1) ++c1;
+      cursor[i] = c1;
+      if (D == 128 || D == 64) {  // the group's heads together, sharing the value loads
+        static thread_local std::vector<const float*> weights;
+        static thread_local std::vector<float*> outs;
+        weights.resize(group);
+        outs.resize(group);
+        for (int64_t hh = 0; hh < group; ++hh) {
+          weights[hh] = scores + (hh * nt + i) * row + c0;
+          outs[hh] = acc + (hh * nt + i) * D;
+        }
+        if (D == 128) {
+          weighted_sums<8, 2>(group, weights.data(), keys_i + c0, c1 - c0, V, D, outs.data());
+        } else {
+          weighted_sums<4, 4>(group, weights.data(), keys_i + c0, c1 - c0, V, D, outs.data());
+        }
+        continue;
+      }
+      for (int64_t hh = 0; hh < group; ++hh) {  // other head sizes: the same sums, through memory
+        const int64_t query = hh * nt + i;
+        const float* w = scores + query * row;
+        float* a = acc + query * D;
+        for (int64_t c = c0; c < c1; ++c) {
+          const float* v = V + int64_t(keys_i[c]) * D;
+          for (int64_t d = 0; d < D; d += 16) store16(a + d, load16(a + d) + w[c] * load16(v + d));
+        }
+      }
+    }
+  }
+  for (int64_t hh = 0; hh < group; ++hh)
+    for (int64_t i = 0; i < nt; ++i) {
+      const int64_t query = hh * nt + i;
+      const float inverse = 1.0f / sums[query];
+      float* o = span.out + ((t0 + i) * H + g * group + hh) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = acc[query * D + d] * inverse;
+    }
+}
+
+// The item's share of the work, for splitting items over threads: its queries x the keys they see.
+double attention_cost(const AttentionSpan& span, int64_t item) {
+  const int64_t chunks = num_chunks(span.T), per_chunk = (span.T + chunks - 1) / chunks;
+  const int64_t z = item % chunks, chunk = z % 2 == 0 ? z / 2 : chunks - 1 - z / 2;
+  const int64_t nt = std::min(per_chunk, span.T - chunk * per_chunk);
+  return double(nt) * double(span.start + chunk * per_chunk + nt + 16);  // + 16: an item's fixed cost
+}
+
+}  // namespace
+
 // queries [T, H, D]: T new tokens at cache slots start..start+T-1 (their keys and values are
 // already written); keys / values [H_kv, capacity, D] (rows contiguous); mask [T, T] bool among
 // the new tokens (True = may attend), or an empty tensor for causal order. Every query sees
@@ -256,140 +400,39 @@ at::Tensor attention(const at::Tensor& queries, const at::Tensor& keys, const at
                          mask.scalar_type() == at::kBool && mask.is_contiguous()),
               "attention: mask must be a contiguous bool [T, T] or empty");
   auto out = at::empty_like(queries);
-  const float* q = queries.data_ptr<float>();
-  const float* kp = keys.data_ptr<float>();
-  const float* vp = values.data_ptr<float>();
-  const bool* mp = causal ? nullptr : mask.data_ptr<bool>();
-  float* op = out.data_ptr<float>();
-  const int64_t group = H / H_kv, total = start + T;
-  constexpr int64_t QUERIES = 8;  // positions per work item
-  constexpr int64_t TILE = 32;    // keys per tile: 16 KB of keys or values (D = 128), in L1 for every query
-  // Positions split into chunks of at most 8, as even as can be (9 -> 5 + 4, not 8 + 1: the
-  // threads share the work evenly). A query's arithmetic does not depend on its chunk.
-  const int64_t chunks = (T + QUERIES - 1) / QUERIES, per_chunk = (T + chunks - 1) / chunks;
-  // A work item is one key/value head and one chunk of positions: its group's heads x positions
-  // are the queries, and each tile of keys, then of values, is read once for all of them.
-  at::parallel_for(0, H_kv * chunks, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t item = i0; item < i1; ++item) {
-      // Chunks in the order 0, last, 1, last - 1, ...: causal chunks cost more the later they
-      // are, and the threads take contiguous runs of items, so each run gets early and late
-      // chunks alike (a group of 3 heads over 2 threads was split 1.25 : 1.75 before).
-      const int64_t g = item / chunks, z = item % chunks, chunk = z % 2 == 0 ? z / 2 : chunks - 1 - z / 2;
-      const int64_t t0 = chunk * per_chunk, nt = std::min(per_chunk, T - t0);
-      const float* K = kp + g * keys.stride(0);
-      const float* V = vp + g * values.stride(0);
-      const int64_t end = causal ? start + t0 + nt : total;  // no query here sees past slot end - 1
-      const int64_t row = end + 16, num_queries = group * nt;
-      std::vector<float>& buffer = scratch();
-      if (int64_t(buffer.size()) < num_queries * (row + D + 1)) buffer.resize(num_queries * (row + D + 1));
-      float* scores = buffer.data();                      // [query][row], query = head in group * nt + i
-      float* acc = buffer.data() + num_queries * row;     // [query][D]
-      float* sums = acc + num_queries * D;                // [query]: each softmax's total weight
-      static thread_local std::vector<int32_t> key_buffer;
-      if (int64_t(key_buffer.size()) < QUERIES * row) key_buffer.resize(QUERIES * row);
-      int32_t* keys_of = key_buffer.data();  // [i][row]: the slots position t0 + i sees, in order (all heads alike)
-      int64_t count[QUERIES] = {};
-      for (int64_t i = 0; i < nt; ++i) {
-        const int64_t t = t0 + i;
-        if (causal) {  // slots 0 .. start + t
-          count[i] = start + t + 1;
-          std::iota(keys_of + i * row, keys_of + i * row + count[i], int32_t(0));
-          continue;
-        }
-        for (int64_t j = 0; j < start; ++j) keys_of[i * row + count[i]++] = int32_t(j);
-        for (int64_t j = 0; j < T; ++j)
-          if (mp[t * T + j]) keys_of[i * row + count[i]++] = int32_t(start + j);
-      }
-      // Scores, a tile of keys at a time (four adjacent keys share one reduction: dot4), up to
-      // 4 of the group's heads at once sharing each key's loads.
-      int64_t cursor[QUERIES];
-      for (int64_t h0 = 0; h0 < group; h0 += 4) {
-        const int64_t nh = std::min<int64_t>(4, group - h0);
-        std::fill(cursor, cursor + QUERIES, 0);
-        for (int64_t j1 = TILE; j1 < end + TILE; j1 += TILE) {
-          for (int64_t i = 0; i < nt; ++i) {
-            const float* query[4];
-            float* s[4];
-            for (int64_t hh = 0; hh < nh; ++hh) {
-              query[hh] = q + ((t0 + i) * H + g * group + h0 + hh) * D;
-              s[hh] = scores + ((h0 + hh) * nt + i) * row;
-            }
-            const int32_t* keys_i = keys_of + i * row;
-            int64_t c = cursor[i];
-            while (c < count[i] && keys_i[c] < j1) {
-              if (c + 4 <= count[i] && keys_i[c + 3] == keys_i[c] + 3) {
-                const float* key = K + int64_t(keys_i[c]) * D;
-                float* at[4];
-                for (int64_t hh = 0; hh < nh; ++hh) at[hh] = s[hh] + c;
-                switch (nh) {
-                  case 1: dot4<1>(query, key, D, at); break;
-                  case 2: dot4<2>(query, key, D, at); break;
-                  case 3: dot4<3>(query, key, D, at); break;
-                  default: dot4<4>(query, key, D, at); break;
-                }
-                c += 4;
-              } else {
-                for (int64_t hh = 0; hh < nh; ++hh) s[hh][c] = dot(query[hh], K + int64_t(keys_i[c]) * D, D);
-                c += 1;
-              }
-            }
-            cursor[i] = c;
-          }
-        }
-      }
-      // Softmax per query.
-      for (int64_t query = 0; query < num_queries; ++query) {
-        const int64_t n = count[query % nt];
-        float* s = scores + query * row;
-        sums[query] = exp_and_sum(s, n, scale_and_max(s, n, float(scale)));
-        std::fill(acc + query * D, acc + (query + 1) * D, 0.0f);
-      }
-      // Weighted sums of values, a tile of values at a time, each query's sum in key order.
-      std::fill(cursor, cursor + QUERIES, 0);
-      for (int64_t j1 = TILE; j1 < end + TILE; j1 += TILE) {
-        for (int64_t i = 0; i < nt; ++i) {
-          const int32_t* keys_i = keys_of + i * row;
-          const int64_t c0 = cursor[i];
-          int64_t c1 = c0;
-          while (c1 < count[i] && keys_i[c1] < j1) ++c1;
-          cursor[i] = c1;
-          if (D == 128 || D == 64) {  // the group's heads together, sharing the value loads
-            static thread_local std::vector<const float*> weights;
-            static thread_local std::vector<float*> outs;
-            weights.resize(group);
-            outs.resize(group);
-            for (int64_t hh = 0; hh < group; ++hh) {
-              weights[hh] = scores + (hh * nt + i) * row + c0;
-              outs[hh] = acc + (hh * nt + i) * D;
-            }
-            if (D == 128) {
-              weighted_sums<8, 2>(group, weights.data(), keys_i + c0, c1 - c0, V, D, outs.data());
-            } else {
-              weighted_sums<4, 4>(group, weights.data(), keys_i + c0, c1 - c0, V, D, outs.data());
-            }
-            continue;
-          }
-          for (int64_t hh = 0; hh < group; ++hh) {  // other head sizes: the same sums, through memory
-            const int64_t query = hh * nt + i;
-            const float* w = scores + query * row;
-            float* a = acc + query * D;
-            for (int64_t c = c0; c < c1; ++c) {
-              const float* v = V + int64_t(keys_i[c]) * D;
-              for (int64_t d = 0; d < D; d += 16) store16(a + d, load16(a + d) + w[c] * load16(v + d));
-            }
-          }
-        }
-      }
-      for (int64_t hh = 0; hh < group; ++hh)
-        for (int64_t i = 0; i < nt; ++i) {
-          const int64_t query = hh * nt + i;
-          const float inverse = 1.0f / sums[query];
-          float* o = op + ((t0 + i) * H + g * group + hh) * D;
-          for (int64_t d = 0; d < D; ++d) o[d] = acc[query * D + d] * inverse;
-        }
-    }
+  const AttentionSpan span{queries.data_ptr<float>(), keys.data_ptr<float>(), values.data_ptr<float>(), keys.stride(0),
+                           values.stride(0), causal ? nullptr : mask.data_ptr<bool>(), out.data_ptr<float>(), T, start};
+  at::parallel_for(0, H_kv * num_chunks(T), 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t item = i0; item < i1; ++item) attend(span, item, H, H_kv, D, scale);
   });
   return out;
+}
+
+void attention_spans(const std::vector<AttentionSpan>& spans, int64_t H, int64_t H_kv, int64_t D, double scale) {
+  // Every span's work items, dealt to the threads by cost (largest first, each to the least
+  // loaded thread): sixteen one-token sequences over 2 threads were 16 calls of 3 items each
+  // (SmolLM2's 3 key/value heads: 2 for one thread, 1 for the other, then a join).
+  struct Item {
+    int64_t span, item;
+    double cost;
+  };
+  std::vector<Item> items;
+  for (int64_t s = 0; s < int64_t(spans.size()); ++s)
+    for (int64_t item = 0; item < H_kv * num_chunks(spans[s].T); ++item)
+      items.push_back({s, item, attention_cost(spans[s], item)});
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), int64_t(items.size())));
+  std::vector<std::vector<Item>> shares(threads);
+  std::vector<double> load(threads, 0.0);
+  for (const Item& item : items) {
+    const int64_t least = std::min_element(load.begin(), load.end()) - load.begin();
+    shares[least].push_back(item);
+    load[least] += item.cost;
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (const Item& item : shares[t]) attend(spans[item.span], item.item, H, H_kv, D, scale);
+  });
 }
 
 }  // namespace draftwise
