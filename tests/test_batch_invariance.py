@@ -133,9 +133,15 @@ def test_the_compiled_layers_compute_the_modules_bits(model):
         assert torch.equal(cache.keys, expected.keys) and torch.equal(cache.values, expected.values)
 
 
-def test_the_compiled_layers_add_the_biases(qwen_0_5b):  # Qwen2's q, k, v projections have biases
-    compiled, _ = batched_forward(qwen_0_5b.model, compiled=True)
-    modules, _ = batched_forward(qwen_0_5b.model, compiled=False)
+@pytest.mark.parametrize("activations", ["float32"] + [name for name in ("amx",) if "gguf-amx-activations" in FORMATS])
+def test_the_compiled_layers_add_the_biases(qwen_0_5b, activations):  # Qwen2's q, k, v projections have biases
+    # On AMX tiles the compiled layers run q, k and v (and gate, up) as one call (amx_linears).
+    use_activations(qwen_0_5b.model, activations)
+    try:
+        compiled, _ = batched_forward(qwen_0_5b.model, compiled=True)
+        modules, _ = batched_forward(qwen_0_5b.model, compiled=False)
+    finally:
+        use_activations(qwen_0_5b.model, "float32")
     assert qwen_0_5b.model.model.layers[0].self_attn.q_proj.bias is not None
     for (logits, hidden), (expected_logits, expected_hidden) in zip(compiled, modules):
         assert torch.equal(logits, expected_logits) and torch.equal(hidden, expected_hidden)

@@ -188,10 +188,18 @@ void store_sums(float* sums) {  // sums [4 tiles][16 weight rows][16 rows of x]
 
 bool amx_in_hardware() { return tiles_permitted(); }
 
-// y rows = x rows (M of them) @ W.T, W's N rows of row_bytes each: the whole product for a block
-// of rows of x (see amx_linear for why blocks).
-void amx_rows(const float* x, int64_t M, const uint8_t* w, int64_t N, int64_t row_bytes, int64_t format, int64_t K,
-              float* out) {
+// One weight of a product that shares its x: N rows of row_bytes in `format`; its y rows (N floats
+// each) start at out.
+struct Part {
+  const uint8_t* w;
+  int64_t N, row_bytes, format;
+  float* out;
+};
+
+// For each part, y rows = x rows (M of them) @ W.T: the whole product for a block of rows of x (see
+// amx_linear for why blocks). Several parts (a layer's q, k and v, or gate and up) share x's
+// rounding and B tiles and one parallel region; their work items are the same as alone.
+void amx_rows(const float* x, int64_t M, const std::vector<Part>& parts, int64_t K) {
   const int64_t Kp = (K + COLUMNS - 1) / COLUMNS * COLUMNS, steps = Kp / COLUMNS;
   std::unique_ptr<uint16_t[]> x_rounded(new uint16_t[M * Kp]);  // every entry written by round_x_rows
   round_x_rows(x, M, K, Kp, x_rounded.get());
@@ -221,17 +229,29 @@ void amx_rows(const float* x, int64_t M, const uint8_t* w, int64_t N, int64_t ro
   // A work item: up to 4 groups of 16 weight rows (the C tiles of a decode step), decoded and
   // rounded once into a buffer; fewer where that splits the groups more evenly over the threads
   // (SmolLM2's 192-row projections are 12 groups: 3 items of 4 would leave one thread twice the work).
-  const int64_t num_groups = (N + ROWS - 1) / ROWS, threads = at::get_num_threads();
+  const int64_t threads = at::get_num_threads();
   // Two chunks of x (17-32 rows) take two groups an item: their four C tiles are (group, chunk) pairs.
   const int64_t most_groups = num_chunks == 2 ? 2 : 4;
+  auto num_items = [&](int64_t per_item) {
+    int64_t items = 0;
+    for (const Part& part : parts) items += ((part.N + ROWS - 1) / ROWS + per_item - 1) / per_item;
+    return items;
+  };
   int64_t groups_per_item = most_groups;
-  auto busiest = [&](int64_t per_item) { return ((num_groups + per_item - 1) / per_item + threads - 1) / threads * per_item; };
+  auto busiest = [&](int64_t per_item) { return (num_items(per_item) + threads - 1) / threads * per_item; };
   for (int64_t per_item = most_groups - 1; per_item >= 1; --per_item)
     if (busiest(per_item) < busiest(groups_per_item)) groups_per_item = per_item;
+  struct Item {
+    const Part* part;
+    int64_t n0;
+  };
+  std::vector<Item> items;
+  for (const Part& part : parts)
+    for (int64_t n0 = 0; n0 < part.N; n0 += groups_per_item * ROWS) items.push_back({&part, n0});
   // The A buffer's rows: a decode step's segment or all of K, plus 64 bytes, so that 16 rows a
   // power of two apart (2048 columns: 4 KB) do not all fall in one set of the L1 cache.
   const int64_t a_stride = (num_chunks <= 2 ? std::min(SEGMENT, Kp) : Kp) + COLUMNS;
-  at::parallel_for(0, (num_groups + groups_per_item - 1) / groups_per_item, 1, [&](int64_t i0, int64_t i1) {
+  at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t i0, int64_t i1) {
     configure_tiles(width);
     // the A buffer (64 rounded weight rows), one row's floats, the C tiles' sums
     float* buffer = thread_buffer(4 * ROWS * a_stride / 2 + Kp + 4 * ROWS * ROWS);
@@ -239,7 +259,11 @@ void amx_rows(const float* x, int64_t M, const uint8_t* w, int64_t N, int64_t ro
     float* scratch = buffer + 4 * ROWS * a_stride / 2;
     float* sums = scratch + Kp;
     for (int64_t item = i0; item < i1; ++item) {
-      const int64_t n0 = item * groups_per_item * ROWS, rows = std::min(groups_per_item * ROWS, N - n0);
+      const Part& part = *items[item].part;
+      const uint8_t* w = part.w;
+      const int64_t N = part.N, row_bytes = part.row_bytes, format = part.format, n0 = items[item].n0;
+      const int64_t rows = std::min(groups_per_item * ROWS, N - n0);
+      float* out = part.out;
       const int64_t groups = (rows + ROWS - 1) / ROWS;
       // y[m, n0 + 16 g + j] = tiles[(i * 16 + j) * 16 + m % 16] for chunk i of x, group g
       auto write = [&](const float* tiles, int64_t g, int64_t first_chunk, int64_t chunks) {
@@ -299,25 +323,41 @@ void amx_rows(const float* x, int64_t M, const uint8_t* w, int64_t N, int64_t ro
   });
 }
 
-at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, int64_t format, int64_t K) {
-  check_weight(weight, format, K);
+std::vector<at::Tensor> amx_linears(const at::Tensor& x, const std::vector<at::Tensor>& weights,
+                                    const std::vector<int64_t>& formats, int64_t K) {
+  TORCH_CHECK(weights.size() == formats.size() && !weights.empty(), "amx_linears: one format per weight");
+  for (size_t i = 0; i < weights.size(); ++i) check_weight(weights[i], formats[i], K);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "amx_linear: x ", x.sizes(), " does not have ", K, " columns");
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "amx_linear: x must be contiguous float32");
   TORCH_CHECK(tiles_permitted(), "amx_linear: this CPU or kernel gives no AMX tiles; use --activations bf16");
-  const int64_t M = x.size(0), N = weight.size(0);
-  auto y = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return y;
-  if (K == 0) return y.zero_();
+  const int64_t M = x.size(0);
+  std::vector<at::Tensor> ys;
+  for (const at::Tensor& weight : weights) ys.push_back(at::empty({M, weight.size(0)}, x.options()));
+  if (M == 0) return ys;
+  if (K == 0) {
+    for (at::Tensor& y : ys) y.zero_();
+    return ys;
+  }
   // A long prefill runs in blocks of at most BLOCK rows of x, each decoding the weights again:
   // every work item streams all of its block's B tiles once per group of weight rows, and a
   // block of 512 rows stays in L2 where 2048 do not (Qwen2.5-Coder-1.5B, a 2,048-token prefill
   // in one forward: 205 -> 240 tok/s). Rows are computed alike in any block, so the bits do not
   // change.
   const int64_t blocks = (M + BLOCK - 1) / BLOCK, per_block = (M + blocks - 1) / blocks;
-  for (int64_t m0 = 0; m0 < M; m0 += per_block)
-    amx_rows(x.data_ptr<float>() + m0 * K, std::min(per_block, M - m0), weight.data_ptr<uint8_t>(), N,
-             weight.size(1), format, K, y.data_ptr<float>() + m0 * N);
-  return y;
+  for (int64_t m0 = 0; m0 < M; m0 += per_block) {
+    std::vector<Part> parts;
+    for (size_t i = 0; i < weights.size(); ++i) {
+      const int64_t N = weights[i].size(0);
+      if (N) parts.push_back(Part{weights[i].data_ptr<uint8_t>(), N, weights[i].size(1), formats[i],
+                                  ys[i].data_ptr<float>() + m0 * N});
+    }
+    if (!parts.empty()) amx_rows(x.data_ptr<float>() + m0 * K, std::min(per_block, M - m0), parts, K);
+  }
+  return ys;
+}
+
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, int64_t format, int64_t K) {
+  return amx_linears(x, {weight}, {format}, K)[0];
 }
 
 #else
@@ -325,6 +365,11 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, int64_t for
 bool amx_in_hardware() { return false; }
 
 at::Tensor amx_linear(const at::Tensor&, const at::Tensor&, int64_t, int64_t) {
+  TORCH_CHECK(false, "amx_linear: these kernels were built for a CPU without AMX-BF16; use --activations bf16");
+}
+
+std::vector<at::Tensor> amx_linears(const at::Tensor&, const std::vector<at::Tensor>&, const std::vector<int64_t>&,
+                                    int64_t) {
   TORCH_CHECK(false, "amx_linear: these kernels were built for a CPU without AMX-BF16; use --activations bf16");
 }
 

@@ -20,6 +20,27 @@ at::Tensor Decoder::Linear::operator()(const at::Tensor& x) const {
   return bias.defined() ? y.add_(bias) : y;  // BlockLinear.forward's out.add_(bias)
 }
 
+std::vector<at::Tensor> Decoder::shared_input(const std::vector<const Linear*>& linears, const at::Tensor& x) {
+  bool tiles = true;
+  for (const Linear* linear : linears)
+    tiles = tiles && linear->activations == 3 && linear->columns == linears[0]->columns;
+  std::vector<at::Tensor> ys;
+  if (!tiles) {
+    for (const Linear* linear : linears) ys.push_back((*linear)(x));
+    return ys;
+  }
+  std::vector<at::Tensor> weights;
+  std::vector<int64_t> formats;
+  for (const Linear* linear : linears) {
+    weights.push_back(linear->data);
+    formats.push_back(linear->format);
+  }
+  ys = amx_linears(x, weights, formats, linears[0]->columns);
+  for (size_t i = 0; i < linears.size(); ++i)
+    if (linears[i]->bias.defined()) ys[i].add_(linears[i]->bias);  // Linear's y.add_(bias)
+  return ys;
+}
+
 Decoder::Decoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps)
     : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps) {
   TORCH_CHECK(head_dim % 16 == 0, "Decoder: head_dim ", head_dim, " must be a multiple of 16");
@@ -71,9 +92,10 @@ std::vector<at::Tensor> Decoder::forward(at::Tensor x, const at::Tensor& cos, co
     const Layer& layer = layers_[index];
     // Attention (llama.py's Attention.forward).
     at::Tensor h = rms_norm(x, layer.input_norm, eps_);
-    at::Tensor q = layer.q(h).view({N, H, D});
-    at::Tensor k = layer.k(h).view({N, H_kv, D});
-    at::Tensor v = layer.v(h).view({N, H_kv, D});
+    const std::vector<at::Tensor> qkv = shared_input({&layer.q, &layer.k, &layer.v}, h);
+    at::Tensor q = qkv[0].view({N, H, D});
+    at::Tensor k = qkv[1].view({N, H_kv, D});
+    at::Tensor v = qkv[2].view({N, H_kv, D});
     rotary(q, cos, sin);
     rotary(k, cos, sin);
     // Each sequence's new keys and values into its cache (layer `index`, slots start..), then
@@ -101,7 +123,8 @@ std::vector<at::Tensor> Decoder::forward(at::Tensor x, const at::Tensor& cos, co
     x = at::add(x, layer.o(attended.reshape({N, H * D})));  // Python's x + y
     // The gated MLP (llama.py's MLP.forward).
     h = rms_norm(x, layer.post_attention_norm, eps_);
-    x = at::add(x, layer.down(silu_mul(layer.gate(h), layer.up(h))));
+    const std::vector<at::Tensor> gate_up = shared_input({&layer.gate, &layer.up}, h);
+    x = at::add(x, layer.down(silu_mul(gate_up[0], gate_up[1])));
     if (std::find(saved_layers.begin(), saved_layers.end(), int64_t(index)) != saved_layers.end())
       results.push_back(x);
   }

@@ -43,6 +43,9 @@ class Decoder {
     at::Tensor input_norm, post_attention_norm;
     Linear q, k, v, o, gate, up, down;
   };
+  // Linears that read the same x (q, k, v; gate, up): one amx_linears call where all of them run
+  // on AMX tiles (x rounded once, one parallel region), each its own call otherwise; the same bits.
+  static std::vector<at::Tensor> shared_input(const std::vector<const Linear*>& linears, const at::Tensor& x);
 
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_;

@@ -23,6 +23,10 @@ bool bf16_dot_in_hardware();
 // its own, batch-invariant too); see amx_linear.cpp. amx_in_hardware: whether this build has AMX-
 // BF16 and the OS lets this process use its tiles (amx_linear raises otherwise).
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, int64_t format, int64_t K);
+// amx_linear of one x with several weights (a layer's q, k and v; gate and up) in one call: x is
+// rounded and laid out once, the weights' work items share one parallel region; the same bits.
+std::vector<at::Tensor> amx_linears(const at::Tensor& x, const std::vector<at::Tensor>& weights,
+                                    const std::vector<int64_t>& formats, int64_t K);
 bool amx_in_hardware();
 // rows ids [T] of W, dequantised -> [T, K] float32 (an embedding lookup on quantized weights).
 at::Tensor dequantize_rows(const at::Tensor& weight, int64_t format, int64_t K, const at::Tensor& ids);
