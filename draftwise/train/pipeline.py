@@ -106,7 +106,7 @@ def make_data(target, data_settings: DataSettings, layers: tuple[int, ...], prog
     del generator_model
     tic = time.perf_counter()
     scoring_model = AutoModelForCausalLM.from_pretrained(target.folder, dtype=torch.float32).to(device).eval()
-    examples = _record(target, scoring_model, conversations, layers, progress, device)
+    examples = _record(target, conversations, layers, progress, device, scoring_model)
     timings["hidden_states_s"] = time.perf_counter() - tic
     embed = scoring_model.get_input_embeddings().weight.detach().float().cpu().clone()  # [vocab, hidden]
     lm_head = scoring_model.get_output_embeddings().weight.detach().float().cpu()
@@ -136,8 +136,6 @@ def acceptance_on(target, drafter_factory, chats: list, max_new_tokens: int = 64
 def _features_for(bundle: dict, target, layers: tuple[int, ...], progress: bool,
                   device: torch.device) -> list[datagen.Example]:
     """The bundle's conversations with hidden states at `layers`: recorded again if it holds others."""
-    from transformers import AutoModelForCausalLM
-
     recorded = tuple(bundle.get("layers", ()))
     if recorded == layers:
         return bundle["examples"]
@@ -147,18 +145,21 @@ def _features_for(bundle: dict, target, layers: tuple[int, ...], progress: bool,
         return [replace(e, features=e.features[:, columns]) for e in bundle["examples"]]
     conversations = [datagen.Conversation(e.tokens[: e.num_prompt_tokens].tolist(), e.tokens[e.num_prompt_tokens:].tolist())
                      for e in bundle["examples"]]
-    model = None if device.type == "cpu" else AutoModelForCausalLM.from_pretrained(target.folder, dtype=torch.float32).to(device).eval()
-    return _record(target, model, conversations, layers, progress, device)
+    return _record(target, conversations, layers, progress, device)
 
 
-def _record(target, scoring_model, conversations: list, layers: tuple[int, ...], progress: bool,
-            device: torch.device) -> list[datagen.Example]:
+def _record(target, conversations: list, layers: tuple[int, ...], progress: bool, device: torch.device,
+            scoring_model=None) -> list[datagen.Example]:
     """The hidden states and labels: on the CPU from draftwise's own decoder (what the head reads at
     run time, and faster: on the AMX Xeon, 2 threads, SmolLM2's 256 conversations in 25 s against
     71 s through transformers in float32, Qwen2.5-Coder-1.5B's 48 in 24-26 s against 132; labels
-    agree at 99.6% of positions), on a GPU from transformers in float32."""
+    agree at 99.6% of positions), on a GPU from transformers in float32 (scoring_model, or loaded here)."""
     if device.type == "cpu":
         return datagen.record_features_native(target.model, conversations, layers, progress=progress)
+    if scoring_model is None:
+        from transformers import AutoModelForCausalLM
+
+        scoring_model = AutoModelForCausalLM.from_pretrained(target.folder, dtype=torch.float32).to(device).eval()
     return datagen.record_features(scoring_model, conversations, layers, batch_size=16, progress=progress)
 
 

@@ -4,8 +4,8 @@
 //
 // Why: a tile multiply (tdpbf16ps) does 16 x 16 x 32 multiply-adds an instruction, so once the
 // weights are decoded the products cost next to nothing, for one row of x or sixteen: a verify
-// forward of up to 16 tokens costs about what the decoding of the weights costs, and a prefill runs
-// at the speed the weights are decoded once per 96 rows of x.
+// forward of up to 16 tokens costs about what the decoding of the weights costs, and a prefill
+// decodes the weights once per block of up to 512 rows of x.
 //
 // Arithmetic: tdpbf16ps does not sum like vdpbf16ps (measured on this project's AMX Xeon: its
 // results match neither order of sequential float32 sums, nor one rounding per pair or per
@@ -18,7 +18,7 @@
 //
 // How: A = 16 weight rows, decoded and rounded once per call into a buffer (row-major, as decoded),
 // B = 16 rows of x laid out in pairs of columns (the layout tdpbf16ps reads its second operand in),
-// C[n][m] = their products, written to y through a register transpose. Three layouts by rows of
+// C[n][m] = their products, written to y through a register transpose. Two layouts by rows of
 // x: up to 16 (a decode or verify step) one B tile against four groups of weight rows; more (a
 // long draft, a tree, a batch, a prefill) pairs of B tiles against pairs of groups, a prefill in
 // blocks of at most 512 rows of x. Each C element's sum is the same in every layout.

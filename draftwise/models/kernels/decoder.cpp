@@ -4,7 +4,6 @@
 #include "decoder.h"
 
 #include <ATen/ops/add.h>
-#include <ATen/ops/cat.h>
 
 #include <algorithm>
 #include <cmath>

@@ -238,18 +238,24 @@ constexpr int64_t TILE = 32;    // keys per tile: 16 KB of keys or values (D = 1
 // share the work evenly). A query's arithmetic does not depend on its chunk.
 int64_t num_chunks(int64_t T) { return (T + QUERIES - 1) / QUERIES; }
 
-// Work item `item` of a span (0 .. H_kv * num_chunks(T)): one key/value head and one chunk of
-// positions; its group's heads x positions are the queries, and each tile of keys, then of values,
-// is read once for all of them. Chunks in the order 0, last, 1, last - 1, ...: causal chunks cost
-// more the later they are, and the threads take contiguous runs of items, so each run gets early
-// and late chunks alike (a group of 3 heads over 2 threads was split 1.25 : 1.75 before).
+// Work item `item` of a span (0 .. H_kv * num_chunks(T)): key/value head g and the positions
+// t0 .. t0 + nt - 1; its group's heads x positions are the queries.
+struct ItemRows {
+  int64_t g, t0, nt;
+};
+
+ItemRows item_rows(const AttentionSpan& span, int64_t item) {
+  const int64_t chunks = num_chunks(span.T), per_chunk = (span.T + chunks - 1) / chunks;
+  const int64_t t0 = item % chunks * per_chunk;
+  return {item / chunks, t0, std::min(per_chunk, span.T - t0)};
+}
+
+// One work item: each tile of keys, then of values, is read once for all of its queries.
 void attend(const AttentionSpan& span, int64_t item, int64_t H, int64_t H_kv, int64_t D, double scale) {
   const int64_t T = span.T, start = span.start, group = H / H_kv, total = start + T;
   const bool causal = span.mask == nullptr;
   const bool* mp = span.mask;
-  const int64_t chunks = num_chunks(T), per_chunk = (T + chunks - 1) / chunks;
-  const int64_t g = item / chunks, z = item % chunks, chunk = z % 2 == 0 ? z / 2 : chunks - 1 - z / 2;
-  const int64_t t0 = chunk * per_chunk, nt = std::min(per_chunk, T - t0);
+  const auto [g, t0, nt] = item_rows(span, item);
   const float* K = span.keys + g * span.k_stride;
   const float* V = span.values + g * span.v_stride;
   const int64_t end = causal ? start + t0 + nt : total;  // no query here sees past slot end - 1
@@ -365,10 +371,8 @@ void attend(const AttentionSpan& span, int64_t item, int64_t H, int64_t H_kv, in
 
 // The item's share of the work, for splitting items over threads: its queries x the keys they see.
 double attention_cost(const AttentionSpan& span, int64_t item) {
-  const int64_t chunks = num_chunks(span.T), per_chunk = (span.T + chunks - 1) / chunks;
-  const int64_t z = item % chunks, chunk = z % 2 == 0 ? z / 2 : chunks - 1 - z / 2;
-  const int64_t nt = std::min(per_chunk, span.T - chunk * per_chunk);
-  return double(nt) * double(span.start + chunk * per_chunk + nt + 16);  // + 16: an item's fixed cost
+  const ItemRows rows = item_rows(span, item);
+  return double(rows.nt) * double(span.start + rows.t0 + rows.nt + 16);  // + 16: an item's fixed cost
 }
 
 }  // namespace
@@ -400,18 +404,18 @@ at::Tensor attention(const at::Tensor& queries, const at::Tensor& keys, const at
                          mask.scalar_type() == at::kBool && mask.is_contiguous()),
               "attention: mask must be a contiguous bool [T, T] or empty");
   auto out = at::empty_like(queries);
-  const AttentionSpan span{queries.data_ptr<float>(), keys.data_ptr<float>(), values.data_ptr<float>(), keys.stride(0),
-                           values.stride(0), causal ? nullptr : mask.data_ptr<bool>(), out.data_ptr<float>(), T, start};
-  at::parallel_for(0, H_kv * num_chunks(T), 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t item = i0; item < i1; ++item) attend(span, item, H, H_kv, D, scale);
-  });
+  attention_spans({AttentionSpan{queries.data_ptr<float>(), keys.data_ptr<float>(), values.data_ptr<float>(),
+                                 keys.stride(0), values.stride(0), causal ? nullptr : mask.data_ptr<bool>(),
+                                 out.data_ptr<float>(), T, start}},
+                  H, H_kv, D, scale);
   return out;
 }
 
 void attention_spans(const std::vector<AttentionSpan>& spans, int64_t H, int64_t H_kv, int64_t D, double scale) {
   // Every span's work items, dealt to the threads by cost (largest first, each to the least
-  // loaded thread): sixteen one-token sequences over 2 threads were 16 calls of 3 items each
-  // (SmolLM2's 3 key/value heads: 2 for one thread, 1 for the other, then a join).
+  // loaded thread: causal chunks cost more the later they are), in one parallel region: sixteen
+  // one-token sequences over 2 threads were 16 calls of 3 items each (SmolLM2's 3 key/value
+  // heads: 2 for one thread, 1 for the other, then a join).
   struct Item {
     int64_t span, item;
     double cost;
