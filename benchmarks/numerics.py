@@ -6,8 +6,8 @@ which batch invariance makes equal to decoding token by token).
     python benchmarks/numerics.py --model qwen2.5-coder-1.5b --threads 2
 
 Reports, per mode: max |logit difference|, top-1 agreement, and mean KL(float32 || mode) in nats.
-Modes: the GGUF blocks with float32 activations (the default, --dtype auto), with int8
-activations (--activations int8) and with bf16 activations (--activations bf16)."""
+Modes: the GGUF blocks with each --activations (float32, int8, bf16, amx where the CPU has
+tiles), each with each --kv-cache (float32, bf16: keys and values stored in bfloat16)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from draftwise.config import SamplingParams  # noqa: E402
 from draftwise.engine import Engine  # noqa: E402
+from draftwise.kv_cache import KV_CACHES  # noqa: E402
 from draftwise.models import loading  # noqa: E402
 from draftwise.models.linear import SETTINGS, use_activations  # noqa: E402
 from tests.conftest import PROMPTS  # noqa: E402
@@ -37,6 +38,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=24)
     parser.add_argument("--activations", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument("--kv-cache", nargs="+", default=["float32", "bf16"], choices=["float32", "bf16"])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     reference = loading.load(args.model, dtype="float32", progress=False)
@@ -47,8 +49,9 @@ def main() -> None:
         continuation = Engine(reference).generate(prompt, SamplingParams(max_new_tokens=args.new_tokens)).token_ids
         sequences.append(torch.cat((ids, torch.tensor(continuation, dtype=torch.long))))
     expected = [logits_of(reference.model, ids) for ids in sequences]
-    for activations in args.activations:
+    for activations, kv_cache in [(a, c) for a in args.activations for c in args.kv_cache]:
         use_activations(blocks.model, activations)
+        blocks.model.cache_dtype = KV_CACHES[kv_cache]
         max_diff, agree, kl, count = 0.0, 0, 0.0, 0
         for ids, ref in zip(sequences, expected):
             got = logits_of(blocks.model, ids)
@@ -57,7 +60,7 @@ def main() -> None:
             log_p, log_q = ref.log_softmax(-1).double(), got.log_softmax(-1).double()
             kl += (log_p.exp() * (log_p - log_q)).sum().item()
             count += ids.shape[0]
-        print(f"{args.model} blocks, {activations} activations vs float32 path: {count} positions | max |logit diff| "
+        print(f"{args.model} blocks, {activations} activations, {kv_cache} KV cache vs float32 path: {count} positions | max |logit diff| "
               f"{max_diff:.4f} | top-1 agreement {agree / count:.4f} | mean KL {kl / count:.2e} nats", flush=True)
 
 

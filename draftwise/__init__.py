@@ -30,6 +30,7 @@ def load(
     draft_quantize: str = "auto",
     activations: str = "auto",
     head: str | None = None,
+    kv_cache: str = "auto",
 ) -> Engine:
     """Load a target model (registry name, local path or hub id) and a drafter into an Engine.
 
@@ -48,6 +49,8 @@ def load(
     weights exactly in float32; "int8" rounds each linear's input to 8 bits per 32 values and
     multiplies it with the blocks in exact integers: about 2x faster decoding on a GGUF model,
     further from float32 (README, "Defaults, and why"). engine.target.activations says which ran.
+    kv_cache says what the target's KV caches store: "bf16" (half the bytes a decode step reads
+    per cached token; the default unless activations are "float32"), "float32" or "auto".
 
     drafter="cross-vocab" drafts with a model whose tokenizer differs from the target's
     (draftwise.drafters.cross_vocab); cross_vocab_method picks "string" or "intersection"
@@ -65,14 +68,14 @@ def load(
 
     if not isinstance(drafter, str):  # the caller's own Drafter (examples/custom_drafter.py)
         target = loading.load(model, dtype=dtype, auto_fetch=model == DEFAULT_MODEL, progress=progress,
-                              quantize=quantize, activations=activations)
+                              quantize=quantize, activations=activations, kv_cache=kv_cache)
         spec = SpecConfig(drafter="custom", num_draft_tokens=num_draft_tokens, draft_length=draft_length)
         return engine_for(spec, target, drafter)
     spec = SpecConfig(drafter=drafter, num_draft_tokens=num_draft_tokens, draft_model=draft_model,
                       draft_length=draft_length, cross_vocab_method=cross_vocab_method, draft_quantize=draft_quantize,
                       head=head)
     target = loading.load(model, dtype=dtype, auto_fetch=model == DEFAULT_MODEL, progress=progress, quantize=quantize,
-                          activations=activations)
+                          activations=activations, kv_cache=kv_cache)
     return engine_for(spec, target, build_drafter(spec, target, dtype=dtype, progress=progress))
 
 

@@ -43,6 +43,7 @@ def _add_engine_flags(cmd) -> None:
     """The flags that build an Engine: the same for `generate` and `serve`."""
     from draftwise.config import CROSS_VOCAB_METHODS, DRAFT_LENGTHS, DRAFT_QUANTIZATIONS
     from draftwise.drafters import DRAFTERS
+    from draftwise.kv_cache import KV_CACHES
     from draftwise.models.linear import ACTIVATIONS, QUANTIZATIONS
     from draftwise.models.loading import DTYPES
     from draftwise.models.registry import DEFAULT_MODEL
@@ -79,6 +80,11 @@ def _add_engine_flags(cmd) -> None:
                           "to 8 bits per 32 values, integer dot products with the GGUF / --quantize blocks (about "
                           "2x faster decoding, further from float32). Speculation never changes the output in any "
                           "of them")
+    cmd.add_argument("--kv-cache", default="auto", choices=list(KV_CACHES),
+                     help="what the KV caches store keys and values in: bf16 (half the bytes each decode step "
+                          "reads per cached token: faster long contexts and batches, half the cache memory) or "
+                          "float32; auto (default): float32 with --activations float32, else bf16. Attention's "
+                          "arithmetic is float32 either way, and speculation never changes the output")
 
 
 def _load_engine(args):
@@ -90,7 +96,7 @@ def _load_engine(args):
                           num_draft_tokens=args.num_draft_tokens, dtype=args.dtype, quantize=args.quantize,
                           progress=not args.quiet, draft_length=args.draft_length,
                           cross_vocab_method=args.cross_vocab_method, draft_quantize=args.draft_quantize,
-                          activations=args.activations, head=args.head)
+                          activations=args.activations, head=args.head, kv_cache=args.kv_cache)
 
 
 def _add_serve(subparsers) -> None:
@@ -153,6 +159,7 @@ def _serve(args) -> int:
 def _add_bench(subparsers) -> None:
     from draftwise.config import DRAFT_LENGTHS
     from draftwise.drafters import DRAFTERS
+    from draftwise.kv_cache import KV_CACHES
     from draftwise.models.linear import ACTIVATIONS
     from draftwise.models.loading import DTYPES
     from draftwise.models.registry import DEFAULT_MODEL
@@ -178,6 +185,9 @@ def _add_bench(subparsers) -> None:
                      help="the draftwise rows' activations, as for generate (default auto: amx or bf16 for a GGUF "
                           "model's own blocks where the CPU has AMX tiles or AVX-512 BF16, else float32); the report's "
                           "title says which ran")
+    cmd.add_argument("--kv-cache", default="auto", choices=list(KV_CACHES),
+                     help="what every draftwise row's KV caches store, as for generate (default auto: float32 with "
+                          "float32 activations, else bf16)")
     cmd.add_argument("--activation-rows", default="none",
                      help="comma-separated activation modes to add rows for (draftwise plain, ngram, model, eagle, medusa on "
                           "the same weights): float32, bf16, int8, amx; 'none' for no such rows (default)")
@@ -215,6 +225,7 @@ def _bench(args) -> int:
     quick = {"per_category": 1, "max_new_tokens": 32, "repeats": 1, "quantize": ()} if args.quick else {}
     quantize = tuple(name for name in args.quantize.split(",") if name and name != "none")
     config = BenchConfig(model=args.model, draft_model=args.draft_model, dtype=args.dtype, activations=args.activations,
+                         kv_cache=args.kv_cache,
                          num_draft_tokens=args.num_draft_tokens, draft_length=args.draft_length,
                          max_new_tokens=quick.get("max_new_tokens", args.max_new_tokens),
                          repeats=quick.get("repeats", args.repeats), with_transformers=not args.no_transformers,
@@ -235,7 +246,8 @@ def _bench(args) -> int:
 
     # BenchConfig set the threads every method ran with (torch's default when not given).
     paths = write_report(args.out, asdict(config) | {"threads": torch.get_num_threads(),
-                                                     "activations": methods[0].engine.target.activations}, rows, skipped)
+                                                     "activations": methods[0].engine.target.activations,
+                                                     "kv_cache": methods[0].engine.target.kv_cache}, rows, skipped)
     print(paths[1].read_text())
     if not any(path.suffix == ".png" for path in paths):
         print("no plots: install matplotlib (pip install -e '.[bench]')", file=sys.stderr)

@@ -9,7 +9,22 @@ from __future__ import annotations
 
 import torch
 
-from draftwise.errors import DraftwiseError
+from draftwise.errors import ConfigError, DraftwiseError
+
+# --kv-cache: what a native model's caches store keys and values in. Attention's arithmetic is
+# float32 either way (a bfloat16 entry widens to float32 exactly); bfloat16 halves the bytes a
+# decode step reads per cached token, which is what bounds a batch of long sequences.
+KV_CACHES = {"auto": None, "float32": torch.float32, "bf16": torch.bfloat16}
+
+
+def cache_dtype(kv_cache: str, activations: str) -> torch.dtype:
+    """The dtype --kv-cache names; "auto": bfloat16 where the linears already round their input
+    (bf16, amx, int8 activations), float32 with float32 activations (float32 throughout)."""
+    if kv_cache not in KV_CACHES:
+        raise ConfigError(f"--kv-cache {kv_cache!r} is not one of {', '.join(KV_CACHES)}")
+    if kv_cache == "auto":
+        return torch.float32 if activations == "float32" else torch.bfloat16
+    return KV_CACHES[kv_cache]
 
 
 class CacheLength:

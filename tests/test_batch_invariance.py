@@ -180,6 +180,17 @@ def test_the_default_activations_follow_the_cpu_on_a_gguf_models_own_blocks(defa
         use_activations(smollm2.model, "auto")
 
 
+def test_the_kv_cache_is_bfloat16_where_the_activations_are_rounded_unless_told(default_target, smollm2):
+    rounded = default_target.activations != "float32"
+    assert default_target.kv_cache == ("bf16" if rounded else "float32")
+    assert default_target.model.new_cache(4).keys.dtype == (torch.bfloat16 if rounded else torch.float32)
+    assert smollm2.kv_cache == "float32" and smollm2.model.new_cache(4).values.dtype == torch.float32
+    told = loading.load("smollm2-135m", progress=False, activations="float32", kv_cache="bf16")
+    assert told.kv_cache == "bf16" and told.model.truncated(3).new_cache(4).keys.dtype == torch.bfloat16
+    with pytest.raises(ConfigError, match="--kv-cache 'fp8' is not one of auto, float32, bf16"):
+        loading.load("smollm2-135m", progress=False, kv_cache="fp8")
+
+
 GREEDY = SamplingParams(max_new_tokens=24)
 
 
@@ -224,10 +235,14 @@ def test_the_gguf_blocks_with_float32_activations_compute_the_float32_paths_logi
         assert torch.equal(blocks, dense)
 
 
-@pytest.mark.parametrize("activations", ["int8", "bf16"])
-@pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b"])  # 32-weight blocks; Q4_K, Q6_K, Q5_0
-def test_greedy_speculation_equals_plain_decoding_with_rounded_activations(name, activations):
-    target = loading.load(name, auto_fetch=True, progress=False, activations=activations)
+# 32-weight blocks (SmolLM2); Q4_K, Q6_K, Q5_0 (the 0.5B). Rounded activations store keys and values
+# in bfloat16 by default; float32 activations over a bfloat16 cache is the remaining combination.
+@pytest.mark.parametrize(("name", "activations", "kv_cache"),
+                         [(name, activations, "auto") for name in ("smollm2-135m", "qwen2.5-coder-0.5b")
+                          for activations in ("int8", "bf16")] + [("smollm2-135m", "float32", "bf16")])
+def test_greedy_speculation_equals_plain_decoding_with_rounded_activations(name, activations, kv_cache):
+    target = loading.load(name, auto_fetch=True, progress=False, activations=activations, kv_cache=kv_cache)
+    assert target.model.new_cache(1).keys.dtype == torch.bfloat16
     prompts = PROMPTS if name == "smollm2-135m" else PROMPTS[:2]  # the 0.5B: CI budget
     plain = [Engine(target).generate(prompt, GREEDY).token_ids for prompt in prompts]
     engine = Engine(target, NgramDrafter(), 8)

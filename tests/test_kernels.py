@@ -239,6 +239,25 @@ def test_attention_matches_sdpa_and_is_row_invariant(kernels, heads, kv_heads, h
     assert torch.equal(out_tree[3:4], node_3_alone)
 
 
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (12, 2, 128), (6, 3, 96)])
+def test_attention_over_a_bfloat16_cache_is_the_float32_arithmetic_on_its_values(kernels, heads, kv_heads, head_dim):
+    # --kv-cache bf16: each entry widens to float32 exactly as it is read, so the result is
+    # attention over the widened cache, bit for bit, and still the same for a row alone.
+    torch.manual_seed(1)
+    start, num_new = 40, 6
+    keys = torch.randn(kv_heads, 64, head_dim).bfloat16()
+    values = torch.randn(kv_heads, 64, head_dim).bfloat16()
+    queries = torch.randn(num_new, heads, head_dim)
+    causal = torch.empty(0, dtype=torch.bool)
+    out = kernels.attention(queries, keys, values, start, causal, head_dim ** -0.5)
+    assert torch.equal(out, kernels.attention(queries, keys.float(), values.float(), start, causal, head_dim ** -0.5))
+    alone = torch.cat([kernels.attention(queries[i:i + 1], keys, values, start + i, causal, head_dim ** -0.5)
+                       for i in range(num_new)])
+    assert torch.equal(out, alone)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        kernels.attention(queries, keys, values.float(), start, causal, head_dim ** -0.5)
+
+
 def test_row_wise_ops_match_pytorch(kernels):
     gate, up = torch.randn(5, 1539) * 4, torch.randn(5, 1539)
     assert (kernels.silu_mul(gate, up) - F.silu(gate) * up).abs().max() < 1e-5
@@ -277,6 +296,19 @@ def test_a_failed_build_warns_once_with_the_fix_and_falls_back(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a second call must not warn again
         assert kernels_module.native_kernels(progress=False) is None
+
+
+def test_attention_without_the_kernels_reads_a_bfloat16_cache(monkeypatch, kernels):
+    from draftwise.models import ops
+
+    torch.manual_seed(2)
+    keys, values = torch.randn(3, 32, 64).bfloat16(), torch.randn(3, 32, 64).bfloat16()
+    queries = torch.randn(4, 9, 64)
+    expected = kernels.attention(queries, keys, values, 20, torch.empty(0, dtype=torch.bool), 64 ** -0.5)
+    monkeypatch.setattr(kernels_module, "_BUILT", {})
+    monkeypatch.setenv(kernels_module.DISABLE_ENV, "0")
+    assert kernels_module.native_kernels(progress=False) is None
+    assert (ops.attention(queries, keys, values, 20, None) - expected).abs().max() < 1e-5
 
 
 def test_the_kernels_can_be_switched_off_without_a_warning(monkeypatch):

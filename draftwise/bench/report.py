@@ -99,6 +99,7 @@ def write_report(out_dir: Path, config: dict, rows: list[dict], skipped: list[st
     transformers_dtype = config.get("transformers_dtype")
     title = (f"{config['model']} (draft {config['draft_model'] or '-'}), {config['dtype']}"
              f"{f' with {activations} activations' if (activations := config.get('activations')) else ''}"
+             f"{f', {kv_cache} KV cache' if (kv_cache := config.get('kv_cache')) and kv_cache != 'auto' else ''}"
              f"{f' (transformers {transformers_dtype})' if transformers_dtype else ''}, "
              f"max_new_tokens {config['max_new_tokens']}, median of {config['repeats']}, "
              f"{config['threads']} threads")

@@ -18,6 +18,7 @@ from draftwise import engine_for
 from draftwise.drafters import DRAFTERS, build_drafter
 from draftwise.engine import Engine
 from draftwise.errors import ConfigError
+from draftwise.kv_cache import cache_dtype
 from draftwise.models import loading, registry
 from draftwise.models.linear import check_activations, check_quantize
 from draftwise.models.loading import LoadedModel
@@ -47,6 +48,7 @@ class BenchConfig:
     with_llama_cpp: bool = True  # when llama-cpp-python is installed and the model has a GGUF file
     quantize: tuple[str, ...] = ()  # extra rows: draftwise plain and ngram with these weight formats
     activations: str = "auto"  # the main draftwise rows' (loading.load's; "auto" resolved in the report's title)
+    kv_cache: str = "auto"  # what every draftwise row's KV caches store (loading.load's)
     activation_rows: tuple[str, ...] = ()  # extra rows: plain and each drafter (ngram, model, eagle, medusa) on the same weights, these activations
     threads: int | None = None  # None: torch's current setting
     cross_vocab_draft: str | None = None  # a draft model with another tokenizer (cross-vocab rows, transformers UAG)
@@ -63,6 +65,7 @@ class BenchConfig:
             check_quantize(name)
         for name in (self.activations, *self.activation_rows):
             check_activations(name)
+        cache_dtype(self.kv_cache, "float32")  # a ConfigError naming the choices
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"threads={self.threads}: give at least 1.")
         unknown = [name for name in self.drafters or () if name not in DRAFTERS]
@@ -78,15 +81,17 @@ def build_methods(config: BenchConfig, progress: bool = True) -> tuple[list[Meth
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     target = loading.load(config.model, dtype=config.dtype, auto_fetch=True, progress=progress,
-                          activations=config.activations)
+                          activations=config.activations, kv_cache=config.kv_cache)
     skipped: list[str] = []
     methods = _draftwise_methods(target, config, "", list(config.drafters or DRAFTERS), skipped, progress)
     for activations in config.activation_rows:
-        rounded = loading.load(config.model, dtype=config.dtype, progress=progress, activations=activations)
+        rounded = loading.load(config.model, dtype=config.dtype, progress=progress, activations=activations,
+                               kv_cache=config.kv_cache)
         drafters = [name for name in ("ngram", "model", "eagle", "medusa") if name in (config.drafters or DRAFTERS)]
         methods += _draftwise_methods(rounded, config, f"{activations}-act ", drafters, skipped, progress)
     for quantize in config.quantize:
-        quantized = loading.load(config.model, dtype="float32", quantize=quantize, progress=progress)
+        quantized = loading.load(config.model, dtype="float32", quantize=quantize, progress=progress,
+                                 kv_cache=config.kv_cache)
         methods += _draftwise_methods(quantized, config, f"{quantize} ", ["none", "ngram"], skipped, progress)
     if config.with_transformers:
         methods += _transformers_methods(target, methods[0].engine.encode, config, skipped, progress)

@@ -177,6 +177,9 @@ class LlamaModel(nn.Module):
         # Run the layers through kernels.Decoder where it is built (one call for all of them);
         # False runs the modules one by one (the reference the tests compare it with).
         self.compiled_layers = True
+        # What new caches store keys and values in (loading.load: --kv-cache). bfloat16 halves the
+        # bytes attention reads per token; the arithmetic stays float32 either way.
+        self.cache_dtype = torch.float32
         self._decoder = None  # (kernels.Decoder, its weights, their activations when built)
 
     @classmethod
@@ -246,6 +249,7 @@ class LlamaModel(nn.Module):
         model.model.norm = self.model.norm
         model.lm_head = self.lm_head
         model.rope = self.rope
+        model.cache_dtype = self.cache_dtype
         return model.eval()
 
     @property
@@ -255,7 +259,7 @@ class LlamaModel(nn.Module):
 
     def new_cache(self, max_length: int) -> KVCache:
         s = self.shape
-        return KVCache(s.num_layers, s.num_kv_heads, s.head_dim, max_length, dtype=self.dtype)
+        return KVCache(s.num_layers, s.num_kv_heads, s.head_dim, max_length, dtype=self.cache_dtype)
 
     def forward(
         self,

@@ -15,6 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from draftwise.errors import ConfigError, ModelLoadError, ModelNotFoundError
+from draftwise.kv_cache import cache_dtype
 from draftwise.models import registry
 from draftwise.models.base import ModelInfo
 from draftwise.models.hf import HFModel, load_hf_model
@@ -38,6 +39,7 @@ class LoadedModel:
     tokenizer: object  # a transformers tokenizer
     folder: Path  # the HF folder the weights came from
     activations: str = "float32"  # what the linears round their input to (--activations, "auto" resolved)
+    kv_cache: str = "float32"  # what the caches store keys and values in (--kv-cache, "auto" resolved)
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -93,7 +95,7 @@ def resolve(spec: str, auto_fetch: bool = False, progress: bool = True) -> Path:
 
 
 def load(spec: str, dtype: str = "auto", auto_fetch: bool = False, progress: bool = True,
-         quantize: str | None = None, activations: str = "auto") -> LoadedModel:
+         quantize: str | None = None, activations: str = "auto", kv_cache: str = "auto") -> LoadedModel:
     """Load spec as a native model with its tokenizer. dtype says how weights are stored
     ("auto": a GGUF model's own blocks, else float32; "float32"; "bfloat16"); quantize ("int8"
     or "int4") re-quantizes the float weights into Q8_0 / Q4_1 blocks instead. activations:
@@ -101,7 +103,9 @@ def load(spec: str, dtype: str = "auto", auto_fetch: bool = False, progress: boo
     against the blocks: faster, close to float32), "bf16" (input and weights rounded to bfloat16,
     float32 sums), "amx" (the same rounding summed on AMX tiles) or "auto" (amx or bf16 for a GGUF
     model's own blocks where the CPU has AMX tiles or AVX-512 BF16, else float32:
-    linear.default_activations); the result's .activations says which. Architectures the
+    linear.default_activations); the result's .activations says which. kv_cache: what the caches
+    store keys and values in, "float32", "bf16" or "auto" (bf16 unless the activations are
+    float32; kv_cache.cache_dtype); .kv_cache says which. Architectures the
     native decoder lacks (e.g. Gemma 3) load through transformers instead (models/hf.py)."""
     from transformers import AutoConfig, AutoTokenizer
     from safetensors.torch import load_file
@@ -109,6 +113,7 @@ def load(spec: str, dtype: str = "auto", auto_fetch: bool = False, progress: boo
     torch_dtype = parse_dtype(dtype)
     check_quantize(quantize)  # before the slow part
     check_activations(activations)
+    cache_dtype(kv_cache, "float32")  # a misspelt --kv-cache fails before the slow part
     native_kernels(progress)  # the first load on a machine compiles them: say so
     keep_freed_memory()  # forwards reuse their tensors' pages instead of faulting them in again
     folder = resolve(spec, auto_fetch=auto_fetch, progress=progress)
@@ -119,6 +124,9 @@ def load(spec: str, dtype: str = "auto", auto_fetch: bool = False, progress: boo
             if activations not in ("auto", "float32"):
                 raise ConfigError(f"--activations {activations} needs the native decoder, which does not implement "
                                   f"{config.model_type!r} ({spec} loads through transformers): drop --activations.")
+            if kv_cache != "auto":
+                raise ConfigError(f"--kv-cache {kv_cache} needs the native decoder, which does not implement "
+                                  f"{config.model_type!r} ({spec} loads through transformers): drop --kv-cache.")
             return _load_through_transformers(spec, folder, config, torch_dtype, quantize)
         shape = DecoderShape.from_hf_config(config)
         bar.update()
@@ -144,8 +152,9 @@ def load(spec: str, dtype: str = "auto", auto_fetch: bool = False, progress: boo
     if activations == "auto":
         activations = default_activations(own_blocks=gguf_file is not None)
     use_activations(model, activations)
+    model.cache_dtype = cache_dtype(kv_cache, activations)
     del weights  # the model copied them out of the mapped files: let the mappings go
-    return LoadedModel(model, tokenizer, folder, activations)
+    return LoadedModel(model, tokenizer, folder, activations, "bf16" if model.cache_dtype == torch.bfloat16 else "float32")
 
 
 def runs_natively(spec: str, progress: bool = True) -> bool:

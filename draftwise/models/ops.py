@@ -55,6 +55,7 @@ def attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
     if num_tokens > 1 or tree_mask is not None:
         among_new = torch.ones(num_tokens, num_tokens, dtype=torch.bool).tril() if tree_mask is None else tree_mask
         mask = torch.cat((torch.ones(num_tokens, start, dtype=torch.bool), among_new), dim=1)
-    out = F.scaled_dot_product_attention(queries.transpose(0, 1)[None], keys[None, :, :end], values[None, :, :end],
+    keys, values = keys[:, :end].float(), values[:, :end].float()  # a bfloat16 cache's entries, widened exactly
+    out = F.scaled_dot_product_attention(queries.transpose(0, 1)[None], keys[None], values[None],
                                          attn_mask=mask, enable_gqa=True)  # [1, heads, T, head_dim]
     return out[0].transpose(0, 1)

@@ -118,7 +118,8 @@ def create_app(engine: Engine, scheduler: Scheduler, settings: ServerSettings = 
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", "model": served, "activations": engine.target.activations, "batch_size": scheduler.batch_size,
+        return {"status": "ok", "model": served, "activations": engine.target.activations,
+                "kv_cache": engine.target.kv_cache, "batch_size": scheduler.batch_size,
                 "queue_depth": scheduler.queue_depth, "max_batch": scheduler.max_batch}
 
     @app.get("/metrics")

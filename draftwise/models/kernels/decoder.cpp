@@ -71,12 +71,14 @@ std::vector<at::Tensor> Decoder::forward(at::Tensor x, const at::Tensor& cos, co
               num_rows.size() == spans && masks.size() == spans,
               "Decoder.forward: one key, value, start, first row, row count and mask per sequence");
   const int64_t N = x.size(0), H = num_heads_, H_kv = num_kv_heads_, D = head_dim_;
-  for (size_t s = 0; s < spans; ++s) {  // [layers, 1, kv_heads, capacity, D] float32, rows contiguous
+  for (size_t s = 0; s < spans; ++s) {  // [layers, 1, kv_heads, capacity, D] float32 or bfloat16, rows contiguous
     for (const at::Tensor* cache : {&keys[s], &values[s]})
-      TORCH_CHECK(cache->dim() == 5 && cache->scalar_type() == at::kFloat && cache->size(2) == H_kv &&
+      TORCH_CHECK(cache->dim() == 5 && cache->scalar_type() == keys[s].scalar_type() &&
+                      (cache->scalar_type() == at::kFloat || cache->scalar_type() == at::kBFloat16) && cache->size(2) == H_kv &&
                       cache->size(4) == D && cache->stride(4) == 1 && cache->stride(3) == D &&
                       cache->size(0) >= int64_t(layers_.size()),
-                  "Decoder.forward: a cache must be float32 [layers, 1, ", H_kv, ", capacity, ", D, "] with contiguous rows");
+                  "Decoder.forward: a cache must be float32 or bfloat16 [layers, 1, ", H_kv, ", capacity, ", D,
+                  "] (keys and values alike) with contiguous rows");
     TORCH_CHECK(starts[s] >= 0 && starts[s] + num_rows[s] <= keys[s].size(3) && num_rows[s] >= 0 &&
                     first_rows[s] >= 0 && first_rows[s] + num_rows[s] <= N,
                 "Decoder.forward: sequence ", s, "'s rows or cache slots are out of range");
@@ -106,15 +108,26 @@ std::vector<at::Tensor> Decoder::forward(at::Tensor x, const at::Tensor& cos, co
     const float* v_rows = v.data_ptr<float>();
     for (size_t s = 0; s < spans; ++s) {
       const int64_t first = first_rows[s], rows = num_rows[s], start = starts[s];
-      float* cached_keys = keys[s].data_ptr<float>() + int64_t(index) * keys[s].stride(0);  // [kv_heads, capacity, D]
-      float* cached_values = values[s].data_ptr<float>() + int64_t(index) * values[s].stride(0);
+      const bool bf16 = keys[s].scalar_type() == at::kBFloat16;  // rounded as Python's KVCache.write rounds them
+      const int64_t element = bf16 ? 2 : 4;
+      char* cached_keys = static_cast<char*>(keys[s].data_ptr()) + int64_t(index) * keys[s].stride(0) * element;  // [kv_heads, capacity, D]
+      char* cached_values = static_cast<char*>(values[s].data_ptr()) + int64_t(index) * values[s].stride(0) * element;
       const int64_t k_stride = keys[s].stride(2), v_stride = values[s].stride(2);
       for (int64_t h = 0; h < H_kv; ++h)
         for (int64_t r = 0; r < rows; ++r) {
-          std::memcpy(cached_keys + h * k_stride + (start + r) * D, k_rows + ((first + r) * H_kv + h) * D, D * 4);
-          std::memcpy(cached_values + h * v_stride + (start + r) * D, v_rows + ((first + r) * H_kv + h) * D, D * 4);
+          const float* key = k_rows + ((first + r) * H_kv + h) * D;
+          const float* value = v_rows + ((first + r) * H_kv + h) * D;
+          char* key_slot = cached_keys + (h * k_stride + (start + r) * D) * element;
+          char* value_slot = cached_values + (h * v_stride + (start + r) * D) * element;
+          if (bf16) {
+            round_to_bf16(key, reinterpret_cast<uint16_t*>(key_slot), D);
+            round_to_bf16(value, reinterpret_cast<uint16_t*>(value_slot), D);
+          } else {
+            std::memcpy(key_slot, key, D * 4);
+            std::memcpy(value_slot, value, D * 4);
+          }
         }
-      work[s] = AttentionSpan{q.data_ptr<float>() + first * H * D, cached_keys, cached_values, k_stride, v_stride,
+      work[s] = AttentionSpan{q.data_ptr<float>() + first * H * D, cached_keys, cached_values, bf16, k_stride, v_stride,
                               masks[s].numel() ? masks[s].data_ptr<bool>() : nullptr,
                               attended.data_ptr<float>() + first * H * D, rows, start};
     }

@@ -42,12 +42,14 @@ at::Tensor attention(const at::Tensor& queries, const at::Tensor& keys, const at
                         int64_t start, const at::Tensor& mask, double scale);
 // One sequence's share of a batched forward's attention: its T new queries [T, H, D] (their keys
 // and values already at cache slots start..start+T-1), its cache's keys and values [H_kv,
-// capacity, D] (rows contiguous; k_stride / v_stride floats from one head to the next), its mask
-// [T, T] (nullptr: causal) and where its output rows [T, H, D] go.
+// capacity, D] (rows contiguous; k_stride / v_stride elements from one head to the next), float32
+// or, where bf16, bfloat16 (uint16_t bits), its mask [T, T] (nullptr: causal) and where its
+// output rows [T, H, D] go.
 struct AttentionSpan {
   const float* queries;
-  const float* keys;
-  const float* values;
+  const void* keys;
+  const void* values;
+  bool bf16;
   int64_t k_stride, v_stride;
   const bool* mask;
   float* out;

@@ -15,15 +15,55 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
 namespace draftwise {
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
 typedef int32_t vi16 __attribute__((vector_size(64)));
+typedef uint32_t vu16 __attribute__((vector_size(64)));
 
 inline v16 load16(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
 inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
+
+// 16 bfloat16 values (a KV cache's keys or values, stored as their bits) -> float32, exactly:
+// a bfloat16 is the top half of the float32 it came from.
+inline v16 load16(const uint16_t* p) {
+  vi16 bits;
+#if defined(__AVX512F__)
+  const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  std::memcpy(&bits, &v, sizeof bits);
+#else
+  for (int i = 0; i < 16; ++i) bits[i] = p[i];
+#endif
+  bits <<= 16;
+  v16 out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
+// x[0..n) -> bfloat16 bits, rounded to nearest even exactly as torch's .to(torch.bfloat16)
+// (subnormals kept; NaN -> 0x7fc0), so a cache written here holds what Python would write.
+inline void round_to_bf16(const float* x, uint16_t* out, int64_t n) {
+  int64_t k = 0;
+  for (; k + 16 <= n; k += 16) {
+    vu16 bits;
+    std::memcpy(&bits, x + k, sizeof bits);
+    const v16 value = load16(x + k);
+    const vu16 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    const vi16 nan = value != value;
+    for (int i = 0; i < 16; ++i) out[k + i] = nan[i] ? uint16_t(0x7fc0) : uint16_t(rounded[i]);
+  }
+  for (; k < n; ++k) {
+    uint32_t bits;
+    std::memcpy(&bits, x + k, 4);
+    out[k] = x[k] != x[k] ? uint16_t(0x7fc0) : uint16_t((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+  }
+}
 
 // v, kept in a register: GCC would otherwise fold a load shared by several multiply-adds into
 // each of them (one load per multiply-add instead of one in all; 1.2x slower in linear.cpp's
