@@ -34,6 +34,23 @@ def test_generate_prints_text_then_statistics(smollm2, capsys):
     assert "tok/s" in err and "accepted" in err
 
 
+def test_the_kv_cache_flag_reaches_the_target(smollm2, capsys, monkeypatch):
+    import draftwise
+
+    engines = []
+    real_load = draftwise.load
+
+    def load(*args, **kwargs):
+        engines.append(real_load(*args, **kwargs))
+        return engines[-1]
+
+    monkeypatch.setattr(draftwise, "load", load)
+    code, _, _ = run(capsys, "generate", "Count: one, two,", "--max-new-tokens", "4", "--activations", "float32",
+                     "--kv-cache", "bf16", "--quiet")
+    assert code == 0
+    assert engines[0].target.kv_cache == "bf16" and engines[0].target.model.new_cache(1).keys.dtype == torch.bfloat16
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
