@@ -254,6 +254,16 @@ def test_attention_over_a_bfloat16_cache_is_the_float32_arithmetic_on_its_values
     alone = torch.cat([kernels.attention(queries[i:i + 1], keys, values, start + i, causal, head_dim ** -0.5)
                        for i in range(num_new)])
     assert torch.equal(out, alone)
+    # A tree (random ancestors): keys seen in runs that start anywhere, so four-key runs cross
+    # the 32-key tiles a several-position item widens at a time.
+    chain_beside_a_sibling = torch.eye(num_new, dtype=torch.bool)  # node 0 alone; 1 -> 2 -> ... -> 5
+    for node in range(2, num_new):
+        chain_beside_a_sibling[node, 1:node] = True  # at start 30, node 5 reads slots 31..34 in one run
+    for start, tree in [(30, chain_beside_a_sibling)] + [
+            (start, (torch.rand(num_new, num_new) < 0.5).tril() | torch.eye(num_new, dtype=torch.bool))
+            for start in (29, 30, 31, 33)]:
+        got = kernels.attention(queries, keys, values, start, tree, head_dim ** -0.5)
+        assert torch.equal(got, kernels.attention(queries, keys.float(), values.float(), start, tree, head_dim ** -0.5))
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         kernels.attention(queries, keys, values.float(), start, causal, head_dim ** -0.5)
 
