@@ -130,7 +130,9 @@ def test_the_compiled_layers_compute_the_modules_bits(model):
         assert torch.equal(logits, expected_logits) and torch.equal(hidden, expected_hidden)
     for cache, expected in zip(compiled_caches, module_caches):
         assert cache.length == expected.length
-        assert torch.equal(cache.keys, expected.keys) and torch.equal(cache.values, expected.values)
+        written = slice(0, cache.length)  # slots past it were never written (KVCache is not zeroed)
+        assert torch.equal(cache.keys[:, :, :, written], expected.keys[:, :, :, written])
+        assert torch.equal(cache.values[:, :, :, written], expected.values[:, :, :, written])
 
 
 @pytest.mark.parametrize("activations", ["float32"] + [name for name in ("amx",) if "gguf-amx-activations" in FORMATS])

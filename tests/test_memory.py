@@ -39,3 +39,22 @@ def test_big_tensors_come_from_the_heap_where_freed_pages_are_reused():
     assert applied and mapped == 0, f"{mapped} bytes of an 18 MB tensor were freshly mapped"
     applied, mapped = _mapped_bytes("0")  # the control: glibc's default maps it anew
     assert not applied and mapped >= 18 * 1024 * 1024
+
+
+def test_a_new_kv_cache_takes_memory_only_as_it_fills():
+    # KVCache is not zeroed: a request's capacity (prompt + max_tokens) costs resident memory only
+    # for the slots it writes. Zeroed, this cache would add its whole ~940 MB at once.
+    import torch
+
+    from draftwise.kv_cache import KVCache
+
+    def resident_bytes() -> int:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    before = resident_bytes()
+    cache = KVCache(28, 2, 128, 32768, dtype=torch.bfloat16)  # Qwen2.5-1.5B's shape, 32k slots
+    cache.keys[:, :, :, :1000] = 1.0
+    cache.values[:, :, :, :1000] = 1.0
+    grown = resident_bytes() - before
+    assert grown < 150 * 2**20, f"a 1,000-token fill of a 32k-slot cache added {grown / 2**20:.0f} MB"
