@@ -17,14 +17,24 @@ from draftwise.errors import ConfigError, DraftwiseError
 KV_CACHES = {"auto": None, "float32": torch.float32, "bf16": torch.bfloat16}
 
 
+def check_kv_cache(kv_cache: str) -> None:
+    """A ConfigError naming the choices for a --kv-cache that is not one."""
+    if kv_cache not in KV_CACHES:
+        raise ConfigError(f"--kv-cache {kv_cache!r} is not one of {', '.join(KV_CACHES)}")
+
+
 def cache_dtype(kv_cache: str, activations: str) -> torch.dtype:
     """The dtype --kv-cache names; "auto": bfloat16 where the linears already round their input
     (bf16, amx, int8 activations), float32 with float32 activations (float32 throughout)."""
-    if kv_cache not in KV_CACHES:
-        raise ConfigError(f"--kv-cache {kv_cache!r} is not one of {', '.join(KV_CACHES)}")
+    check_kv_cache(kv_cache)
     if kv_cache == "auto":
         return torch.float32 if activations == "float32" else torch.bfloat16
     return KV_CACHES[kv_cache]
+
+
+def kv_cache_name(dtype: torch.dtype) -> str:
+    """The --kv-cache value that names dtype (the inverse of cache_dtype for a resolved choice)."""
+    return next(name for name, named in KV_CACHES.items() if named == dtype)
 
 
 class CacheLength:

@@ -18,7 +18,7 @@ from draftwise import engine_for
 from draftwise.drafters import DRAFTERS, build_drafter
 from draftwise.engine import Engine
 from draftwise.errors import ConfigError
-from draftwise.kv_cache import cache_dtype
+from draftwise.kv_cache import check_kv_cache
 from draftwise.models import loading, registry
 from draftwise.models.linear import check_activations, check_quantize
 from draftwise.models.loading import LoadedModel
@@ -65,7 +65,7 @@ class BenchConfig:
             check_quantize(name)
         for name in (self.activations, *self.activation_rows):
             check_activations(name)
-        cache_dtype(self.kv_cache, "float32")  # a ConfigError naming the choices
+        check_kv_cache(self.kv_cache)
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"threads={self.threads}: give at least 1.")
         unknown = [name for name in self.drafters or () if name not in DRAFTERS]

@@ -15,7 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from draftwise.errors import ConfigError, ModelLoadError, ModelNotFoundError
-from draftwise.kv_cache import cache_dtype
+from draftwise.kv_cache import cache_dtype, check_kv_cache, kv_cache_name
 from draftwise.models import registry
 from draftwise.models.base import ModelInfo
 from draftwise.models.hf import HFModel, load_hf_model
@@ -113,7 +113,7 @@ def load(spec: str, dtype: str = "auto", auto_fetch: bool = False, progress: boo
     torch_dtype = parse_dtype(dtype)
     check_quantize(quantize)  # before the slow part
     check_activations(activations)
-    cache_dtype(kv_cache, "float32")  # a misspelt --kv-cache fails before the slow part
+    check_kv_cache(kv_cache)
     native_kernels(progress)  # the first load on a machine compiles them: say so
     keep_freed_memory()  # forwards reuse their tensors' pages instead of faulting them in again
     folder = resolve(spec, auto_fetch=auto_fetch, progress=progress)
@@ -154,7 +154,7 @@ def load(spec: str, dtype: str = "auto", auto_fetch: bool = False, progress: boo
     use_activations(model, activations)
     model.cache_dtype = cache_dtype(kv_cache, activations)
     del weights  # the model copied them out of the mapped files: let the mappings go
-    return LoadedModel(model, tokenizer, folder, activations, "bf16" if model.cache_dtype == torch.bfloat16 else "float32")
+    return LoadedModel(model, tokenizer, folder, activations, kv_cache_name(model.cache_dtype))
 
 
 def runs_natively(spec: str, progress: bool = True) -> bool:

@@ -109,7 +109,7 @@ std::vector<at::Tensor> Decoder::forward(at::Tensor x, const at::Tensor& cos, co
     for (size_t s = 0; s < spans; ++s) {
       const int64_t first = first_rows[s], rows = num_rows[s], start = starts[s];
       const bool bf16 = keys[s].scalar_type() == at::kBFloat16;  // rounded as Python's KVCache.write rounds them
-      const int64_t element = bf16 ? 2 : 4;
+      const int64_t element = keys[s].element_size();
       char* cached_keys = static_cast<char*>(keys[s].data_ptr()) + int64_t(index) * keys[s].stride(0) * element;  // [kv_heads, capacity, D]
       char* cached_values = static_cast<char*>(values[s].data_ptr()) + int64_t(index) * values[s].stride(0) * element;
       const int64_t k_stride = keys[s].stride(2), v_stride = values[s].stride(2);

@@ -43,7 +43,6 @@ inline void widen_rows(const uint16_t* rows, int64_t first, int64_t last, int64_
   for (int64_t r = first; r < last; ++r)
     for (int64_t d = 0; d < D; d += 16) store16(out + (r - first) * D + d, load16(rows + r * D + d));
 }
-inline void widen_rows(const float*, int64_t, int64_t, int64_t, float*) {}  // never called: float32 is read in place
 
 // b: float32 or bfloat16 (a KV cache's keys); either way the products and sums are float32.
 template <typename E>
@@ -314,12 +313,16 @@ void attend(const AttentionSpan& span, int64_t item, int64_t H, int64_t H_kv, in
   const bool staged = std::is_same_v<E, uint16_t> && nt > 1;
   static thread_local std::vector<float> stage;
   if (staged && int64_t(stage.size()) < (TILE + 3) * D) stage.resize((TILE + 3) * D);
+  auto widen_tile = [&](const E* rows, int64_t first, int64_t last) {  // rows [first, last) into stage
+    if constexpr (std::is_same_v<E, uint16_t>)
+      if (staged) widen_rows(rows, first, last, D, stage.data());
+  };
   const int64_t head_chunks = (group + 3) / 4;
   static thread_local std::vector<int64_t> cursors;
   cursors.assign(head_chunks * QUERIES, 0);
   for (int64_t j1 = TILE; j1 < end + TILE; j1 += TILE) {
     const int64_t tile_start = j1 - TILE;
-    if (staged) widen_rows(K, tile_start, std::min(j1 + 3, total), D, stage.data());  // + 3: a dot4 run may cross
+    widen_tile(K, tile_start, std::min(j1 + 3, total));  // + 3: a dot4 run may cross
     for (int64_t chunk = 0; chunk < head_chunks; ++chunk) {
       const int64_t h0 = chunk * 4, nh = std::min<int64_t>(4, group - h0);
       for (int64_t i = 0; i < nt; ++i) {
@@ -402,7 +405,7 @@ void attend(const AttentionSpan& span, int64_t item, int64_t H, int64_t H_kv, in
   if (staged) tile_slots.resize(TILE);
   for (int64_t j1 = TILE; j1 < end + TILE; j1 += TILE) {
     const int64_t tile_start = j1 - TILE;
-    if (staged) widen_rows(V, tile_start, std::min(j1, total), D, stage.data());
+    widen_tile(V, tile_start, std::min(j1, total));
     for (int64_t i = 0; i < nt; ++i) {
       const int32_t* keys_i = keys_of + i * row;
       const int64_t c0 = cursor[i];
