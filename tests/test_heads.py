@@ -104,6 +104,34 @@ def test_seeded_sampling_through_eagle_trees_is_reproducible(smollm2, eagle_head
     assert engine.generate(PROMPTS[0], params).token_ids == engine.generate(PROMPTS[0], params).token_ids
 
 
+def test_the_compiled_head_layer_computes_what_its_modules_compute(smollm2, eagle_head):
+    """The drafter runs the head's layer through kernels.Decoder (drafters/eagle.compiled_layer);
+    without the kernels its PyTorch modules run. Both must give the same rows: over committed
+    context (causal), then a tree level whose rows see only their own ancestors among the draft
+    rows already in the head's cache (a mask reaching back over them)."""
+    from draftwise.drafters.eagle import _CAUSAL
+
+    compiled = EagleDrafter(eagle_head, smollm2.model)
+    modules = EagleDrafter(eagle_head, smollm2.model)
+    modules.layer = None
+    assert compiled.layer is not None
+    torch.manual_seed(0)
+    hidden = eagle_head.config.hidden_size
+    committed, level_1, level_2 = torch.randn(6, hidden), torch.randn(2, hidden), torch.randn(2, hidden)
+    ancestors = torch.tensor([[True, False, True, False], [False, True, False, True]])  # 7 <- 9, 8 <- 10
+
+    def rows(drafter: EagleDrafter, mask: torch.Tensor) -> list[torch.Tensor]:
+        drafter.begin(SamplingParams(), torch.Generator(), 64)
+        return [drafter._run(committed, torch.arange(100, 106), torch.arange(1, 7), 0, _CAUSAL),
+                drafter._run(level_1, torch.tensor([7, 8]), torch.tensor([7, 7]), 6, torch.eye(2, dtype=torch.bool)),
+                drafter._run(level_2, torch.tensor([9, 10]), torch.tensor([8, 8]), 8, mask)]
+
+    for got, expected in zip(rows(compiled, ancestors), rows(modules, ancestors)):
+        assert (got - expected).abs().max() < 1e-4 * expected.abs().max()
+    # The mask matters: rows that also see the other branch come out otherwise.
+    assert (rows(compiled, ancestors)[2] - rows(compiled, torch.ones(2, 4, dtype=torch.bool).tril(2))[2]).abs().max() > 1e-3
+
+
 def test_no_shipped_head_for_a_target_names_the_training_command():
     with pytest.raises(ConfigError, match="draftwise train --kind eagle --target gemma3-270m"):
         head_for("gemma3-270m", "eagle")

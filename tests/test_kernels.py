@@ -268,6 +268,52 @@ def test_attention_over_a_bfloat16_cache_is_the_float32_arithmetic_on_its_values
         kernels.attention(queries, keys, values.float(), start, causal, head_dim ** -0.5)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (12, 2, 128)])
+def test_a_mask_may_reach_back_over_slots_before_the_new_rows(kernels, heads, kv_heads, head_dim, cache_dtype):
+    # An EAGLE drafter's tree: its earlier levels sit in its cache just before the new rows, and a
+    # [T, W] mask says which of those W - T slots (and which new rows) each new row sees.
+    torch.manual_seed(3)
+    start, num_new, back, scale = 37, 4, 5, head_dim ** -0.5
+    keys = torch.randn(kv_heads, 64, head_dim).to(cache_dtype)
+    values = torch.randn(kv_heads, 64, head_dim).to(cache_dtype)
+    queries = torch.randn(num_new, heads, head_dim)
+    wide = torch.rand(num_new, back + num_new) < 0.5
+    wide[:, back:] = (torch.rand(num_new, num_new) < 0.5).tril() | torch.eye(num_new, dtype=torch.bool)
+    got = kernels.attention(queries, keys, values, start, wide, scale)
+    seen = torch.cat((torch.ones(num_new, start - back, dtype=torch.bool), wide), 1)
+    reference = F.scaled_dot_product_attention(
+        queries.transpose(0, 1)[None], keys[None, :, :start + num_new].float(), values[None, :, :start + num_new].float(),
+        attn_mask=seen, enable_gqa=True)
+    assert (got - reference[0].transpose(0, 1)).abs().max() < 1e-5
+    # Row by row, each alone at its own slot, the same bits.
+    alone = torch.cat([kernels.attention(queries[i:i + 1], keys, values, start + i, wide[i:i + 1, :back + i + 1].contiguous(),
+                                         scale) for i in range(num_new)])
+    assert torch.equal(got, alone)
+    # Reach-back columns all True: the [T, T] mask's bits.
+    all_back = wide.clone()
+    all_back[:, :back] = True
+    assert torch.equal(kernels.attention(queries, keys, values, start, all_back, scale),
+                       kernels.attention(queries, keys, values, start, wide[:, back:].contiguous(), scale))
+    with pytest.raises(RuntimeError, match=r"\[T, W\], T <= W <= start \+ T"):
+        kernels.attention(queries, keys, values, 2, wide, scale)  # reaches back past slot 0
+
+
+def test_a_reaching_back_mask_without_the_kernels(monkeypatch, kernels):
+    from draftwise.models import ops
+
+    torch.manual_seed(4)
+    keys, values = torch.randn(3, 32, 64), torch.randn(3, 32, 64)
+    queries = torch.randn(3, 9, 64)
+    wide = torch.rand(3, 7) < 0.5
+    wide[:, 4:] = torch.eye(3, dtype=torch.bool)
+    expected = kernels.attention(queries, keys, values, 20, wide, 64 ** -0.5)
+    monkeypatch.setattr(kernels_module, "_BUILT", {})
+    monkeypatch.setenv(kernels_module.DISABLE_ENV, "0")
+    assert kernels_module.native_kernels(progress=False) is None
+    assert (ops.attention(queries, keys, values, 20, wide) - expected).abs().max() < 1e-5
+
+
 def test_row_wise_ops_match_pytorch(kernels):
     gate, up = torch.randn(5, 1539) * 4, torch.randn(5, 1539)
     assert (kernels.silu_mul(gate, up) - F.silu(gate) * up).abs().max() < 1e-5

@@ -18,8 +18,10 @@ from draftwise.config import SamplingParams
 from draftwise.drafters.base import Draft, empty_draft
 from draftwise.errors import ConfigError
 from draftwise.heads import check_target
-from draftwise.heads.eagle import EagleHead
+from draftwise.heads.eagle import EagleHead, rotary_angles
 from draftwise.tree import best_nodes
+
+_CAUSAL = torch.empty(0, dtype=torch.bool)  # kernels.Decoder's "no mask": causal among the new rows
 
 
 def compact_copy(head: torch.nn.Module) -> torch.nn.Module:
@@ -39,6 +41,26 @@ def compact_copy(head: torch.nn.Module) -> torch.nn.Module:
     return use_activations(compact, "int8").eval()
 
 
+def compiled_layer(head: torch.nn.Module):
+    """The compact head's decoder layer as a kernels.Decoder (one call for its attention and MLP,
+    the same kernels as the target's layers, no input norm: the head's input projection feeds
+    q, k and v directly), or None where the kernels are not built. The Python glue of a head row
+    (about thirty PyTorch calls) cost SmolLM2 more time than the row's arithmetic."""
+    from draftwise.models.kernels import native_kernels
+    from draftwise.models.linear import ACTIVATION_CODES, BlockLinear
+
+    kernels, c = native_kernels(progress=False), head.config
+    linears = [head.q_proj, head.k_proj, head.v_proj, head.o_proj, head.gate_proj, head.up_proj, head.down_proj]
+    if kernels is None or c.head_dim % 16 or not all(isinstance(linear, BlockLinear) for linear in linears):
+        return None
+    layer = kernels.Decoder(c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps)
+    layer.add_layer(torch.empty(0), head.mlp_norm.weight.detach().contiguous(),
+                    [linear.weight.data for linear in linears], [int(linear.weight.format) for linear in linears],
+                    [linear.weight.num_columns for linear in linears],
+                    [ACTIVATION_CODES[linear.weight.activations] for linear in linears], [torch.empty(0)] * 7)
+    return layer
+
+
 class EagleDrafter:
     sequential = False  # one tree per step whatever its size; the policy trims nodes by score
 
@@ -52,6 +74,7 @@ class EagleDrafter:
         if top_k < 1 or depth < 1:
             raise ConfigError(f"top_k ({top_k}) and depth ({depth}) must be at least 1")
         self.head = compact_copy(head)
+        self.layer = compiled_layer(self.head)  # None: the head's PyTorch modules run it
         self.embed = target_model.model.embed_tokens  # the target's own embedding: [T] -> [T, hidden]
         self.hidden_layers = head.config.hidden_layers
         self.top_k = top_k
@@ -60,8 +83,9 @@ class EagleDrafter:
     def begin(self, params: SamplingParams, generator: torch.Generator, max_length: int) -> None:
         c = self.head.config
         capacity = max_length + self.depth * self.top_k + 1
-        self.keys = torch.zeros(capacity, c.num_kv_heads, c.head_dim)
-        self.values = torch.zeros(capacity, c.num_kv_heads, c.head_dim)
+        # [layers, batch, kv_heads, capacity, head_dim], as kernels.Decoder takes a cache
+        self.keys = torch.zeros(1, 1, c.num_kv_heads, capacity, c.head_dim)
+        self.values = torch.zeros(1, 1, c.num_kv_heads, capacity, c.head_dim)
         self.num_rows = 0  # head rows over committed context (target features), kept in the cache
         self.pending: list[torch.Tensor] = []  # target hidden states not read yet
         self.last_output: torch.Tensor | None = None  # the last committed row's output [hidden]
@@ -80,14 +104,25 @@ class EagleDrafter:
             return empty_draft()
         return self._grow_tree(context.shape[0], num_draft_tokens)
 
-    def _run(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+    def _run(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, start: int,
              mask: torch.Tensor) -> torch.Tensor:
-        """Head rows at cache slots: mask [R, slots.max() + 1] over the cache -> outputs [R, hidden]."""
-        x, q, k, v = self.head.project(features, self.embed(tokens), positions)
-        self.keys[slots] = k
-        self.values[slots] = v
-        end = mask.shape[1]
-        return self.head.finish(x, q, self.keys[:end], self.values[:end], mask)
+        """Head rows written at cache slots start..start + R - 1 -> their outputs [R, hidden]. mask
+        [R, W] over the last W of slots 0..start + R - 1 (every slot before those is seen), or
+        empty: causal among the new rows."""
+        head, c = self.head, self.head.config
+        rows, end = tokens.shape[0], start + tokens.shape[0]
+        if self.layer is not None:
+            cos, sin = rotary_angles(positions, c.head_dim, c.rope_theta)
+            x = head.inputs(features, self.embed(tokens))
+            return self.layer.forward(x, cos.view(rows, -1), sin.view(rows, -1), [self.keys], [self.values],
+                                      [start], [0], [rows], [mask], [])[0]
+        x, q, k, v = head.project(features, self.embed(tokens), positions)
+        keys, values = self.keys[0, 0], self.values[0, 0]  # [kv_heads, capacity, head_dim]
+        keys[:, start:end], values[:, start:end] = k.transpose(0, 1), v.transpose(0, 1)
+        if not mask.numel():
+            mask = torch.ones(rows, rows, dtype=torch.bool).tril()
+        seen = torch.cat((torch.ones(rows, end - mask.shape[1], dtype=torch.bool), mask), dim=1)
+        return head.finish(x, q, keys[:, :end].transpose(0, 1), values[:, :end].transpose(0, 1), seen)
 
     def _read_committed(self, context: torch.Tensor) -> None:
         """Row r reads the target's feature of position r and token r + 1, which are now committed."""
@@ -95,9 +130,7 @@ class EagleDrafter:
         self.pending = []
         first, rows = self.num_rows, features.shape[0]
         positions = torch.arange(first, first + rows)
-        mask = torch.ones(rows, first + rows, dtype=torch.bool)
-        mask[:, first:] = torch.ones(rows, rows, dtype=torch.bool).tril()
-        outputs = self._run(features, context[positions + 1], positions + 1, positions, mask)
+        outputs = self._run(features, context[positions + 1], positions + 1, first, _CAUSAL)
         self.num_rows += rows
         self.last_output = outputs[-1]
 
@@ -107,7 +140,7 @@ class EagleDrafter:
         parents: list[int] = []
         scores: list[float] = []  # log path probabilities
         depths: list[int] = []
-        slot_of: dict[int, int] = {}  # expanded node -> its head cache slot
+        slot_of: dict[int, int] = {}  # expanded node -> its draft row, slot num_rows + that
         ancestors: dict[int, list[int]] = {-1: []}
         output_of = {-1: self.last_output}  # expanded node -> its row's output, the feature its children read
         frontier = [-1]  # the last committed token: its children come from the last committed row
@@ -128,21 +161,20 @@ class EagleDrafter:
                     children.append(node)
             if depth == self.depth:
                 break
-            # Expand the top_k new nodes by path probability: one head forward over all of them.
+            # Expand the top_k new nodes by path probability: one head forward over all of them,
+            # written after the draft rows already in the cache, each seeing its ancestors' rows.
             frontier = sorted(children, key=lambda node: -scores[node])[:top_k]
-            first_slot = self.num_rows + len(slot_of)
+            placed = len(slot_of)  # draft rows in the cache, from slot num_rows on
             for index, node in enumerate(frontier):
-                slot_of[node] = first_slot + index
-            mask = torch.zeros(len(frontier), first_slot + len(frontier), dtype=torch.bool)
-            mask[:, : self.num_rows] = True
+                slot_of[node] = placed + index
+            mask = torch.zeros(len(frontier), placed + len(frontier), dtype=torch.bool)
             for row, node in enumerate(frontier):
                 mask[row, [slot_of[a] for a in ancestors[node]]] = True  # its ancestors' rows and its own
             features = torch.stack([output_of[parents[node]] for node in frontier])
             # Node at depth d holds the token of position num_committed - 1 + d.
             positions = torch.tensor([num_committed - 1 + depths[node] for node in frontier])
             draft_ids = torch.tensor([tokens[node] for node in frontier])
-            new_outputs = self._run(features, head.draft_to_target[draft_ids], positions,
-                                    torch.tensor([slot_of[node] for node in frontier]), mask)
+            new_outputs = self._run(features, head.draft_to_target[draft_ids], positions, self.num_rows + placed, mask)
             output_of.update(zip(frontier, new_outputs))
         # The best nodes overall; a node's ancestors score at least as well, so they come first.
         order, kept_parents = best_nodes(parents, scores, depths, num_nodes)

@@ -131,11 +131,15 @@ class EagleHead(nn.Module):
         layered = layered * torch.rsqrt(layered.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps)
         return self.fuse(layered.view(hidden.shape[0], -1))
 
+    def inputs(self, features: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
+        """A row's input to the layer: features, token_embeds [R, hidden] -> x [R, hidden]."""
+        return self.input_proj(torch.cat((self.embed_norm(token_embeds), self.feature_norm(features)), dim=-1))
+
     def project(self, features: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor):
         """A row's input and its query/key/value: features, token_embeds [R, hidden] ->
         (x [R, hidden], q [R, heads, d], k [R, kv_heads, d], v [R, kv_heads, d])."""
         c = self.config
-        x = self.input_proj(torch.cat((self.embed_norm(token_embeds), self.feature_norm(features)), dim=-1))
+        x = self.inputs(features, token_embeds)
         rows = x.shape[0]
         cos, sin = rotary_angles(positions, c.head_dim, c.rope_theta)  # once for q and k
         q = rotate(self.q_proj(x).view(rows, c.num_heads, c.head_dim), cos, sin)

@@ -44,7 +44,9 @@ def attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
               tree_mask: torch.Tensor | None) -> torch.Tensor:
     """queries [T, heads, head_dim] of T new tokens whose keys/values are already in the cache at
     slots start..start+T-1; keys / values [kv_heads, capacity, head_dim], the cache's buffers;
-    tree_mask [T, T] bool among the new tokens (None: causal). -> [T, heads, head_dim]."""
+    tree_mask [T, T] bool among the new tokens (None: causal), or [T, W] over the last W slots
+    (W - T slots before the new ones, e.g. a drafter's earlier tree levels; every slot before
+    those is seen). -> [T, heads, head_dim]."""
     num_tokens, _, head_dim = queries.shape
     kernels = native_kernels(progress=False)
     if kernels is not None and head_dim % 16 == 0:
@@ -54,7 +56,7 @@ def attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
     mask = None
     if num_tokens > 1 or tree_mask is not None:
         among_new = torch.ones(num_tokens, num_tokens, dtype=torch.bool).tril() if tree_mask is None else tree_mask
-        mask = torch.cat((torch.ones(num_tokens, start, dtype=torch.bool), among_new), dim=1)
+        mask = torch.cat((torch.ones(num_tokens, end - among_new.shape[1], dtype=torch.bool), among_new), dim=1)
     keys, values = keys[:, :end].float(), values[:, :end].float()  # a bfloat16 cache's entries, widened exactly
     out = F.scaled_dot_product_attention(queries.transpose(0, 1)[None], keys[None], values[None],
                                          attn_mask=mask, enable_gqa=True)  # [1, heads, T, head_dim]

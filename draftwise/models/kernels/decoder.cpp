@@ -83,16 +83,16 @@ std::vector<at::Tensor> Decoder::forward(at::Tensor x, const at::Tensor& cos, co
                     first_rows[s] >= 0 && first_rows[s] + num_rows[s] <= N,
                 "Decoder.forward: sequence ", s, "'s rows or cache slots are out of range");
     TORCH_CHECK(masks[s].numel() == 0 || (masks[s].dim() == 2 && masks[s].size(0) == num_rows[s] &&
-                                          masks[s].size(1) == num_rows[s] && masks[s].scalar_type() == at::kBool &&
-                                          masks[s].is_contiguous()),
-                "Decoder.forward: sequence ", s, "'s mask must be a contiguous bool [T, T] or empty");
+                                          masks[s].size(1) >= num_rows[s] && masks[s].size(1) <= starts[s] + num_rows[s] &&
+                                          masks[s].scalar_type() == at::kBool && masks[s].is_contiguous()),
+                "Decoder.forward: sequence ", s, "'s mask must be a contiguous bool [T, W], T <= W <= start + T, or empty");
   }
   const double scale = std::pow(double(D), -0.5);  // Python's head_dim ** -0.5
   std::vector<at::Tensor> results(1);
   for (size_t index = 0; index < layers_.size(); ++index) {
     const Layer& layer = layers_[index];
     // Attention (llama.py's Attention.forward).
-    at::Tensor h = rms_norm(x, layer.input_norm, eps_);
+    at::Tensor h = layer.input_norm.numel() ? rms_norm(x, layer.input_norm, eps_) : x;  // empty: no norm (a draft head's layer)
     const std::vector<at::Tensor> qkv = shared_input({&layer.q, &layer.k, &layer.v}, h);
     at::Tensor q = qkv[0].view({N, H, D});
     at::Tensor k = qkv[1].view({N, H_kv, D});
@@ -129,7 +129,7 @@ std::vector<at::Tensor> Decoder::forward(at::Tensor x, const at::Tensor& cos, co
         }
       work[s] = AttentionSpan{q.data_ptr<float>() + first * H * D, cached_keys, cached_values, bf16, k_stride, v_stride,
                               masks[s].numel() ? masks[s].data_ptr<bool>() : nullptr,
-                              attended.data_ptr<float>() + first * H * D, rows, start};
+                              attended.data_ptr<float>() + first * H * D, rows, start, masks[s].numel() ? masks[s].size(1) : 0};
     }
     attention_spans(work, H, H_kv, D, scale);
     x = at::add(x, layer.o(attended.reshape({N, H * D})));  // Python's x + y

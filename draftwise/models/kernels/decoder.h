@@ -12,7 +12,8 @@ class Decoder {
  public:
   Decoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps);
 
-  // One layer: its two norms' weights, then per linear in the order q, k, v, o, gate, up, down:
+  // One layer: its two norms' weights (an empty input norm: the layer reads x as it is, as an
+  // EAGLE head's does), then per linear in the order q, k, v, o, gate, up, down:
   // the weight's bytes, GGML format and column count, what its input is rounded to (0: nothing,
   // float32; 1: int8; 2: bfloat16, with the weights' values), and its bias (an empty tensor: none). The tensors are referenced, not copied.
   void add_layer(const at::Tensor& input_norm, const at::Tensor& post_attention_norm,
@@ -23,7 +24,8 @@ class Decoder {
   // x [N, hidden]: every sequence's new rows, flattened; cos / sin [N, head_dim]. Sequence s owns
   // rows first_rows[s] .. + num_rows[s], writes their keys and values to its cache (keys[s],
   // values[s]: [layers, 1, kv_heads, capacity, head_dim]) at slots starts[s].., and attends over
-  // its cache under masks[s] ([T, T] bool among its new rows; empty: causal). Returns the
+  // its cache under masks[s] ([T, T] bool among its new rows; empty: causal; or [T, W] over its
+  // last W slots, the rows before its new ones included: attention() in rowwise.cpp). Returns the
   // residual stream after the last layer, then after each layer listed in saved_layers.
   std::vector<at::Tensor> forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
                                   const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,

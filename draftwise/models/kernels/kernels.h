@@ -54,6 +54,9 @@ struct AttentionSpan {
   const bool* mask;
   float* out;
   int64_t T, start;
+  // The mask's columns: the span's last mask_width slots (its T new rows and the mask_width - T
+  // slots before them; 0: T). Every query sees the slots before those.
+  int64_t mask_width = 0;
 };
 // attention() for every span at once, in one parallel region: each query's arithmetic is
 // attention()'s, so the bits are the same.

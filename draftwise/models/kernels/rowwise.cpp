@@ -280,6 +280,7 @@ void attend(const AttentionSpan& span, int64_t item, int64_t H, int64_t H_kv, in
   const int64_t T = span.T, start = span.start, group = H / H_kv, total = start + T;
   const bool causal = span.mask == nullptr;
   const bool* mp = span.mask;
+  const int64_t width = span.mask_width ? span.mask_width : T, mask_first = total - width;  // the mask's slots
   const auto [g, t0, nt] = item_rows(span, item);
   const E* K = static_cast<const E*>(span.keys) + g * span.k_stride;
   const E* V = static_cast<const E*>(span.values) + g * span.v_stride;
@@ -301,9 +302,9 @@ void attend(const AttentionSpan& span, int64_t item, int64_t H, int64_t H_kv, in
       std::iota(keys_of + i * row, keys_of + i * row + count[i], int32_t(0));
       continue;
     }
-    for (int64_t j = 0; j < start; ++j) keys_of[i * row + count[i]++] = int32_t(j);
-    for (int64_t j = 0; j < T; ++j)
-      if (mp[t * T + j]) keys_of[i * row + count[i]++] = int32_t(start + j);
+    for (int64_t j = 0; j < mask_first; ++j) keys_of[i * row + count[i]++] = int32_t(j);
+    for (int64_t j = 0; j < width; ++j)
+      if (mp[t * width + j]) keys_of[i * row + count[i]++] = int32_t(mask_first + j);
   }
   // Scores, a tile of keys at a time (four adjacent keys share one reduction: dot4), up to
   // 4 of the group's heads at once sharing each key's loads. A bfloat16 cache's tile is widened
@@ -441,7 +442,9 @@ double attention_cost(const AttentionSpan& span, int64_t item) {
 // already written); keys / values [H_kv, capacity, D] (rows contiguous), float32 or bfloat16
 // (widened exactly to float32 as they are read: the arithmetic is float32 either way); mask [T, T] bool among
 // the new tokens (True = may attend), or an empty tensor for causal order. Every query sees
-// slots 0..start-1. -> [T, H, D].
+// slots 0..start-1. A mask may also be [T, W], W up to start + T: over slots start + T - W ..
+// start + T - 1, every query then seeing the slots before those (a drafter's tree whose earlier
+// levels are already in its cache). -> [T, H, D].
 //
 // Each (query, head) gathers the scores of exactly the keys it may see, in slot order, into a
 // compact row; the softmax and the weighted sum of values run over that row. A masked-out key
@@ -462,13 +465,13 @@ at::Tensor attention(const at::Tensor& queries, const at::Tensor& keys, const at
   TORCH_CHECK(H % H_kv == 0, "attention: ", H, " heads do not group over ", H_kv, " key/value heads");
   TORCH_CHECK(start >= 0 && start + T <= keys.size(1), "attention: slots ", start, "+", T, " exceed the cache");
   const bool causal = mask.numel() == 0;
-  TORCH_CHECK(causal || (mask.dim() == 2 && mask.size(0) == T && mask.size(1) == T &&
+  TORCH_CHECK(causal || (mask.dim() == 2 && mask.size(0) == T && mask.size(1) >= T && mask.size(1) <= start + T &&
                          mask.scalar_type() == at::kBool && mask.is_contiguous()),
-              "attention: mask must be a contiguous bool [T, T] or empty");
+              "attention: mask must be a contiguous bool [T, W], T <= W <= start + T, or empty");
   auto out = at::empty_like(queries);
   attention_spans({AttentionSpan{queries.data_ptr<float>(), keys.data_ptr(), values.data_ptr(), bf16,
                                  keys.stride(0), values.stride(0), causal ? nullptr : mask.data_ptr<bool>(),
-                                 out.data_ptr<float>(), T, start}},
+                                 out.data_ptr<float>(), T, start, causal ? 0 : mask.size(1)}},
                   H, H_kv, D, scale);
   return out;
 }
