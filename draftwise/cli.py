@@ -294,6 +294,12 @@ def _add_train(subparsers) -> None:
                      help="measure acceptance on held-out questions this often")
     cmd.add_argument("--batch-size", type=int, default=data.batch_size,
                      help=f"conversations the target writes at once (default: {data.batch_size}; more on a GPU)")
+    cmd.add_argument("--sequences-per-step", type=int, default=train.sequences_per_step,
+                     help=f"conversations an optimizer step learns from (default: {train.sequences_per_step}; "
+                          "e.g. 64 on a GPU)")
+    cmd.add_argument("--sequences-per-forward", type=int,
+                     help="of those, how many run in one padded forward (default: all of them on a GPU, 1 on the "
+                          "CPU, where batching did not train faster)")
     cmd.add_argument("--device", default="cpu",
                      help="where the target writes the data and the head trains: cpu (default) or cuda; "
                           "held-out acceptance is measured on the CPU either way")
@@ -312,8 +318,10 @@ def _train(args) -> int:
     data = DataSettings(num_questions=args.questions, prompts_file=args.prompts, num_heldout=args.heldout,
                         max_response_tokens=args.max_response_tokens, draft_vocab_size=args.draft_vocab, seed=args.seed,
                         batch_size=args.batch_size)
+    on_gpu = args.device.startswith("cuda")
     settings = TrainSettings(epochs=args.epochs, ttt_steps=args.ttt_steps, learning_rate=args.learning_rate,
-                             eval_every_s=args.eval_every, seed=args.seed,
+                             eval_every_s=args.eval_every, seed=args.seed, sequences_per_step=args.sequences_per_step,
+                             sequences_per_forward=args.sequences_per_forward or (None if on_gpu else 1),
                              max_train_s=None if args.max_minutes is None else 60 * args.max_minutes)
     folder = train_head(args.target, args.out, data, settings, kind=args.kind, progress=not args.quiet,
                         device=args.device, intermediate_size=args.head_intermediate_size)

@@ -115,8 +115,49 @@ def test_losses_map_labels_through_the_vocabulary_the_head_has_when_scoring(smol
     example = Example(torch.arange(8), torch.zeros(8, 3 * smollm2.model.shape.hidden_size, dtype=torch.bfloat16),
                       labels, num_prompt_tokens=1)
     head.draft_to_target.copy_(torch.arange(40000, 40016))
-    _, counts = loss_fn(example)
+    _, counts = loss_fn([example])
     assert counts[0][1] == 7  # rows 0..6 score labels 1..7, all in the vocabulary (an identity map counts none)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_a_padded_batch_learns_what_its_sequences_teach_alone(smollm2, kind):
+    # Sequences of different lengths in one forward (the GPU's way to train): each one's rows
+    # must compute what they compute alone, padding seen by none of them and scored nowhere.
+    from draftwise.heads.eagle import EagleConfig, EagleHead
+    from draftwise.heads.medusa import MedusaConfig, MedusaHeads
+    from draftwise.train.data import Example
+    from draftwise.train.losses import eagle_loss, medusa_loss
+
+    torch.manual_seed(0)
+    shape = smollm2.model.shape
+    vocab = 4  # a draft vocabulary of 4: about a quarter of the guesses right, so there are rights to compare
+    if kind == "eagle":
+        head = EagleHead(EagleConfig.for_target(smollm2.model, "smollm2-135m", vocab))
+        embed = torch.randn(shape.vocab_size, shape.hidden_size)
+        make_loss = lambda steps: eagle_loss(head, embed, ttt_steps=steps)  # noqa: E731
+        width = 3 * shape.hidden_size
+    else:
+        heads = {steps: MedusaHeads(MedusaConfig.for_target(smollm2.model, "smollm2-135m", vocab, steps))
+                 for steps in (1, 4)}
+        for head in heads.values():
+            for block in head.blocks:  # not the zero start: each head must draft its own way
+                torch.nn.init.normal_(block.weight, std=0.05)
+        make_loss = lambda steps: medusa_loss(heads[steps], shape.vocab_size)  # noqa: E731
+        width = shape.hidden_size
+    examples = [Example(torch.randint(1000, (length,)), torch.randn(length, width).bfloat16(),
+                        torch.randint(vocab, (length,)), num_prompt_tokens=prompt)
+                for length, prompt in [(23, 5), (9, 3), (17, 16)]]
+    for steps in (1, 4):
+        loss_fn = make_loss(steps)
+        batched_loss, batched_counts = loss_fn(examples)
+        alone = [loss_fn([example]) for example in examples]
+        # Per draft depth, the same predictions right out of the same positions counted.
+        summed = [tuple(sum(counts[depth][i] for _, counts in alone) for i in (0, 1))
+                  for depth in range(len(batched_counts))]
+        assert batched_counts == summed and summed[0][0] > 0
+        if steps == 1:  # one depth: the batch's mean is the positions' mean
+            weighted = sum(loss * counts[0][1] for loss, counts in alone) / summed[0][1]
+            assert torch.allclose(batched_loss, weighted, rtol=1e-5)
 
 
 def test_a_time_budget_fits_the_schedule_to_the_steps_that_fit(monkeypatch):

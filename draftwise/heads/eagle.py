@@ -124,12 +124,12 @@ class EagleHead(nn.Module):
         self.register_buffer("draft_to_target", torch.arange(c.draft_vocab_size))  # [draft vocab] target ids
 
     def fuse_features(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The target's hidden states [R, layers * hidden] -> the feature [R, hidden]. Each layer's
+        """The target's hidden states [..., layers * hidden] -> the feature [..., hidden]. Each layer's
         state is scaled to unit RMS first: residual streams reach 1e4 in a few channels."""
         c = self.config
-        layered = hidden.float().view(hidden.shape[0], len(c.hidden_layers), c.hidden_size)
+        layered = hidden.float().view(*hidden.shape[:-1], len(c.hidden_layers), c.hidden_size)
         layered = layered * torch.rsqrt(layered.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps)
-        return self.fuse(layered.view(hidden.shape[0], -1))
+        return self.fuse(layered.flatten(-2))
 
     def inputs(self, features: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
         """A row's input to the layer: features, token_embeds [R, hidden] -> x [R, hidden]."""
@@ -140,20 +140,25 @@ class EagleHead(nn.Module):
         (x [R, hidden], q [R, heads, d], k [R, kv_heads, d], v [R, kv_heads, d])."""
         c = self.config
         x = self.inputs(features, token_embeds)
-        rows = x.shape[0]
+        rows = x.shape[:-1]  # [R], or [B, R] for a batch of sequences (training)
         cos, sin = rotary_angles(positions, c.head_dim, c.rope_theta)  # once for q and k
-        q = rotate(self.q_proj(x).view(rows, c.num_heads, c.head_dim), cos, sin)
-        k = rotate(self.k_proj(x).view(rows, c.num_kv_heads, c.head_dim), cos, sin)
-        v = self.v_proj(x).view(rows, c.num_kv_heads, c.head_dim)
+        q = rotate(self.q_proj(x).view(*rows, c.num_heads, c.head_dim), cos, sin)
+        k = rotate(self.k_proj(x).view(*rows, c.num_kv_heads, c.head_dim), cos, sin)
+        v = self.v_proj(x).view(*rows, c.num_kv_heads, c.head_dim)
         return x, q, k, v
 
     def finish(self, x: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                mask: torch.Tensor) -> torch.Tensor:
         """Attention of q [R, heads, d] over keys / values [S, kv_heads, d] where mask [R, S]
-        (True = may attend), then the MLP: -> the rows' outputs [R, hidden] (the next feature)."""
-        attended = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys.transpose(0, 1)[None],
-                                                  values.transpose(0, 1)[None], attn_mask=mask, enable_gqa=True)
-        x = x + self.o_proj(attended[0].transpose(0, 1).reshape(x.shape[0], -1))
+        (True = may attend), then the MLP: -> the rows' outputs [R, hidden] (the next feature).
+        A batch of sequences (training) adds a leading dimension B to x, q, keys and values."""
+        batched = q.dim() == 4
+        if not batched:
+            q, keys, values = q[None], keys[None], values[None]
+        attended = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                                  attn_mask=mask, enable_gqa=True)  # [B, heads, R, d]
+        attended = attended.transpose(1, 2).flatten(-2)  # [B, R, heads * d]
+        x = x + self.o_proj(attended if batched else attended[0])
         normed = self.mlp_norm(x)
         return x + self.down_proj(F.silu(self.gate_proj(normed)) * self.up_proj(normed))
 

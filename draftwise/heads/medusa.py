@@ -67,7 +67,7 @@ class MedusaHeads(nn.Module):
         self.register_buffer("draft_to_target", torch.arange(config.draft_vocab_size))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [R, hidden] -> logits [num_heads, R, draft vocab]."""
+        """hidden [..., hidden] -> logits [num_heads, ..., draft vocab]."""
         hidden = self.norm(hidden.float())
         return torch.stack([self.lm_head(hidden + F.silu(block(hidden))) for block in self.blocks])
 

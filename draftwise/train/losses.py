@@ -1,15 +1,18 @@
-"""What a draft head learns from one recorded sequence: a loss and, per draft depth, how many
-of its predictions were the target's own choice (the progress bar shows those accuracies).
+"""What a draft head learns from a batch of recorded sequences: a loss and, per draft depth, how
+many of its predictions were the target's own choice (the progress bar shows those accuracies).
 
 Labels are the target's argmax after each position (data.Example.labels), mapped to the head's
 draft vocabulary; only positions inside the answer count (the head drafts answers, never the
-user's prompt); a label outside the draft vocabulary is ignored.
+user's prompt); a label outside the draft vocabulary is ignored. A batch's sequences are padded
+at the end to the longest: a padded row sees only rows before it and its labels are ignored, so
+each sequence's rows compute what they compute alone, and the loss is the mean over the batch's
+counted positions.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +23,32 @@ from draftwise.train.data import Example
 
 IGNORE = -100
 STEP_DECAY = 0.8  # weight of depth j: STEP_DECAY ** (j - 1); deep guesses matter less (they are reached less)
-LossFunction = Callable[[Example], tuple[torch.Tensor, list[tuple[int, int]]]]
+LossFunction = Callable[[list[Example]], tuple[torch.Tensor, list[tuple[int, int]]]]
+
+
+@dataclass(frozen=True, slots=True)
+class Padded:
+    """Examples padded at the end to the longest: tokens, labels [B, L]; features [B, L, F]."""
+    tokens: torch.Tensor
+    features: torch.Tensor
+    labels: torch.Tensor
+    lengths: torch.Tensor  # [B]
+    num_prompt_tokens: torch.Tensor  # [B]
+
+
+def pad(examples: list[Example], device: torch.device) -> Padded:
+    longest = max(e.tokens.shape[0] for e in examples)
+
+    def stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
+        out = tensors[0].new_zeros(len(tensors), longest, *tensors[0].shape[1:])
+        for row, tensor in enumerate(tensors):
+            out[row, : tensor.shape[0]] = tensor
+        return out.to(device, non_blocking=True)
+
+    return Padded(stacked([e.tokens for e in examples]), stacked([e.features for e in examples]),
+                  stacked([e.labels for e in examples]),
+                  torch.tensor([e.tokens.shape[0] for e in examples], device=device),
+                  torch.tensor([e.num_prompt_tokens for e in examples], device=device))
 
 
 def target_to_draft(draft_to_target: torch.Tensor, target_vocab_size: int) -> torch.Tensor:
@@ -28,14 +56,6 @@ def target_to_draft(draft_to_target: torch.Tensor, target_vocab_size: int) -> to
     table = torch.full((target_vocab_size,), IGNORE, dtype=torch.long, device=draft_to_target.device)
     table[draft_to_target] = torch.arange(draft_to_target.shape[0], device=draft_to_target.device)
     return table
-
-
-def on_device(example: Example, device: torch.device) -> Example:
-    """The example with its tensors on the device training runs on (itself when already there)."""
-    if example.tokens.device == device:
-        return example
-    return replace(example, tokens=example.tokens.to(device), features=example.features.to(device),
-                   labels=example.labels.to(device))
 
 
 def _score(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor | None, tuple[int, int]]:
@@ -46,12 +66,14 @@ def _score(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor | N
     return F.cross_entropy(logits, target, ignore_index=IGNORE), (correct, counted)
 
 
-def _answer_targets(example: Example, table: torch.Tensor, first_row_offset: int, rows: int) -> torch.Tensor:
-    """Draft-vocabulary labels at positions offset..offset+rows-1, IGNORE outside the answer."""
-    target = table[example.labels[first_row_offset:first_row_offset + rows]]
+def _answer_targets(batch: Padded, table: torch.Tensor, first_row_offset: int, rows: int) -> torch.Tensor:
+    """Draft-vocabulary labels [B, rows] at positions offset..offset+rows-1, IGNORE outside the
+    answer and past each sequence's end."""
+    target = table[batch.labels[:, first_row_offset:first_row_offset + rows]]
+    position = torch.arange(rows, device=target.device) + first_row_offset
     # Position t's label is token t + 1: it belongs to the answer when t + 1 >= num_prompt_tokens.
-    answer = torch.arange(rows, device=target.device) + first_row_offset + 1 >= example.num_prompt_tokens
-    return torch.where(answer, target, torch.full_like(target, IGNORE))
+    keep = (position[None] + 1 >= batch.num_prompt_tokens[:, None]) & (position[None] < batch.lengths[:, None])
+    return torch.where(keep, target, torch.full_like(target, IGNORE))
 
 
 def eagle_loss(head: EagleHead, embed: torch.Tensor, ttt_steps: int) -> LossFunction:
@@ -65,29 +87,29 @@ def eagle_loss(head: EagleHead, embed: torch.Tensor, ttt_steps: int) -> LossFunc
     embed: the target's token embeddings [target vocab, hidden], on the head's device (the
     example's tensors move there)."""
 
-    def loss_fn(example: Example):
+    def loss_fn(examples: list[Example]):
         table = target_to_draft(head.draft_to_target, embed.shape[0])  # read now: the vocabulary may be set later
-        example = on_device(example, embed.device)
-        tokens = example.tokens
-        length = tokens.shape[0]
+        batch = pad(examples, embed.device)
+        tokens = batch.tokens
+        length = tokens.shape[1]
         device = tokens.device
-        feature = head.fuse_features(example.features)[:-1]  # row r: the target's feature of position r
+        feature = head.fuse_features(batch.features)[:, :-1]  # row r: the target's feature of position r
         keys, values, counts = [], [], []
         total = torch.zeros((), device=device)
         for step in range(1, ttt_steps + 1):
             rows = length - step
             if rows <= 0:
                 break
-            x, q, k, v = head.project(feature[:rows], embed[tokens[step:step + rows]],
+            x, q, k, v = head.project(feature[:, :rows], embed[tokens[:, step:step + rows]],
                                       torch.arange(rows, device=device) + step)
             keys.append(k)
             values.append(v)
             causal = torch.ones(rows, rows, dtype=torch.bool, device=device).tril()
             diagonal = torch.eye(rows, dtype=torch.bool, device=device)
             mask = torch.cat([causal] + [diagonal] * (step - 1), dim=1)  # [rows, step * rows]
-            outputs = head.finish(x, q, torch.cat([key[:rows] for key in keys]),
-                                  torch.cat([value[:rows] for value in values]), mask)
-            loss, count = _score(head.logits(outputs), _answer_targets(example, table, step, rows))
+            outputs = head.finish(x, q, torch.cat([key[:, :rows] for key in keys], dim=1),
+                                  torch.cat([value[:, :rows] for value in values], dim=1), mask)
+            loss, count = _score(head.logits(outputs).flatten(0, 1), _answer_targets(batch, table, step, rows).flatten())
             if loss is not None:
                 total = total + STEP_DECAY ** (step - 1) * loss
             counts.append(count)
@@ -101,19 +123,19 @@ def medusa_loss(heads: MedusaHeads, target_vocab_size: int) -> LossFunction:
     """Medusa-1 (Cai et al., 2024): head k reads the final hidden state of position r and
     predicts the target's label at position r + k (the token k + 1 ahead)."""
 
-    def loss_fn(example: Example):
+    def loss_fn(examples: list[Example]):
         table = target_to_draft(heads.draft_to_target, target_vocab_size)
-        example = on_device(example, heads.draft_to_target.device)
-        hidden = example.features.float()  # [T, hidden]: the final norm's output
-        length = hidden.shape[0]
+        batch = pad(examples, heads.draft_to_target.device)
+        hidden = batch.features.float()  # [B, L, hidden]: the final norm's output
+        length = hidden.shape[1]
         total = torch.zeros((), device=hidden.device)
         counts = []
-        logits = heads(hidden)  # [heads, T, draft vocab]
+        logits = heads(hidden)  # [heads, B, L, draft vocab]
         for k in range(1, heads.config.num_heads + 1):
             rows = length - k
             if rows <= 0:
                 break
-            loss, count = _score(logits[k - 1, :rows], _answer_targets(example, table, k, rows))
+            loss, count = _score(logits[k - 1, :, :rows].flatten(0, 1), _answer_targets(batch, table, k, rows).flatten())
             if loss is not None:
                 total = total + STEP_DECAY ** (k - 1) * loss
             counts.append(count)

@@ -254,6 +254,7 @@ def _train_head(target_name: str, output: Path, data_settings: DataSettings, set
         "conversations": len(examples), "tokens": bundle["num_tokens"], "answer_tokens": bundle["num_answer_tokens"],
         "data_timings_s": {k: round(v, 1) for k, v in bundle["timings"].items()},
         "train_s": round(state.elapsed_s, 1), "steps": state.step, "epochs": settings.epochs,
+        "sequences_per_step": settings.sequences_per_step, "sequences_per_forward": settings.sequences_per_forward,
         "epochs_trained": round(state.step * settings.sequences_per_step / len(examples), 2),
         "max_train_s": settings.max_train_s,
         "ttt_steps": settings.ttt_steps, "learning_rate": settings.learning_rate, "curve": state.curve,
