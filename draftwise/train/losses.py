@@ -109,7 +109,11 @@ def eagle_loss(head: EagleHead, embed: torch.Tensor, ttt_steps: int) -> LossFunc
             mask = torch.cat([causal] + [diagonal] * (step - 1), dim=1)  # [rows, step * rows]
             outputs = head.finish(x, q, torch.cat([key[:, :rows] for key in keys], dim=1),
                                   torch.cat([value[:, :rows] for value in values], dim=1), mask)
-            loss, count = _score(head.logits(outputs).flatten(0, 1), _answer_targets(batch, table, step, rows).flatten())
+            # Only the answer's positions are scored: the prompt's (a third of SmolLM2's tokens) skip
+            # the draft vocabulary's LM head, the step's largest product.
+            target = _answer_targets(batch, table, step, rows).flatten()
+            scored = target != IGNORE
+            loss, count = _score(head.logits(outputs.flatten(0, 1)[scored]), target[scored])
             if loss is not None:
                 total = total + STEP_DECAY ** (step - 1) * loss
             counts.append(count)
