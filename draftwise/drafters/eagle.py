@@ -19,6 +19,7 @@ from draftwise.drafters.base import Draft, empty_draft
 from draftwise.errors import ConfigError
 from draftwise.heads import check_target
 from draftwise.heads.eagle import EagleHead, rotary_angles
+from draftwise.models.kernels import native_kernels
 from draftwise.tree import best_nodes
 
 _CAUSAL = torch.empty(0, dtype=torch.bool)  # kernels.Decoder's "no mask": causal among the new rows
@@ -32,7 +33,6 @@ def compact_copy(head: torch.nn.Module) -> torch.nn.Module:
     of that. Its numerics only decide which tokens are proposed, never what is emitted."""
     import copy
 
-    from draftwise.models.kernels import native_kernels
     from draftwise.models.linear import WeightFormat, store_weights, use_activations
 
     if native_kernels(progress=False) is None:
@@ -46,7 +46,6 @@ def compiled_layer(head: torch.nn.Module):
     the same kernels as the target's layers, no input norm: the head's input projection feeds
     q, k and v directly), or None where the kernels are not built. The Python glue of a head row
     (about thirty PyTorch calls) cost SmolLM2 more time than the row's arithmetic."""
-    from draftwise.models.kernels import native_kernels
     from draftwise.models.linear import ACTIVATION_CODES, BlockLinear
 
     kernels, c = native_kernels(progress=False), head.config
@@ -64,17 +63,20 @@ def compiled_layer(head: torch.nn.Module):
 class EagleDrafter:
     sequential = False  # one tree per step whatever its size; the policy trims nodes by score
 
-    # Defaults measured on SmolLM2 with its shipped head (`python benchmarks/eagle_trees.py float32
-    # HEAD`, chat/math/translation, three alternating runs, AMD EPYC Zen 4, 2 threads): 3 x 3 trees
-    # 84.5 tok/s on average, 2 x 3 85.7, 4 x 4 79.4, plain 79.8; drafting 4.3-4.7 ms a step for
-    # 3 x 3 against 5.8-6.8 for 4 x 4, for 1.8 against 1.9 tokens per forward. A SmolLM2 verify
-    # forward costs ~1.5x a one-token forward for a few nodes, so deeper trees rarely pay here.
+    # Defaults measured on SmolLM2 with its shipped head (`python benchmarks/eagle_trees.py auto
+    # HEAD --shapes 3x3,3x4,4x4,2x4,3x5,3x3`, chat/math/translation, AMX Xeon, 2 threads,
+    # 2026-11-26): 3 x 3 trees 1.32-1.33x plain (2.27 tokens a forward, drafting 4.8 ms a step),
+    # 2 x 4 1.32x, 3 x 4 1.28x (2.46, 6.3 ms), 4 x 4 1.27x, 3 x 5 1.26x (2.48, 7.5 ms): each depth
+    # costs ~1.5 ms of drafting against a 9 ms target step, so deeper trees do not pay here.
     def __init__(self, head: EagleHead, target_model, top_k: int = 3, depth: int = 3) -> None:
         check_target(head.config, target_model)
         if top_k < 1 or depth < 1:
             raise ConfigError(f"top_k ({top_k}) and depth ({depth}) must be at least 1")
         self.head = compact_copy(head)
         self.layer = compiled_layer(self.head)  # None: the head's PyTorch modules run it
+        # Where the layer is compiled its norms run on the kernels too: one call each, not five.
+        self.kernels = None if self.layer is None else native_kernels(progress=False)
+        self.unit = torch.ones(head.config.hidden_size)  # fuse_features' weightless RMS scaling
         self.embed = target_model.model.embed_tokens  # the target's own embedding: [T] -> [T, hidden]
         self.hidden_layers = head.config.hidden_layers
         self.top_k = top_k
@@ -86,6 +88,9 @@ class EagleDrafter:
         # [layers, batch, kv_heads, capacity, head_dim], as kernels.Decoder takes a cache
         self.keys = torch.zeros(1, 1, c.num_kv_heads, capacity, c.head_dim)
         self.values = torch.zeros(1, 1, c.num_kv_heads, capacity, c.head_dim)
+        if self.layer is not None:  # the rotary angles of every position this request reaches, once
+            cos, sin = rotary_angles(torch.arange(capacity), c.head_dim, c.rope_theta)
+            self.cos, self.sin = cos.view(capacity, -1), sin.view(capacity, -1)
         self.num_rows = 0  # head rows over committed context (target features), kept in the cache
         self.pending: list[torch.Tensor] = []  # target hidden states not read yet
         self.last_output: torch.Tensor | None = None  # the last committed row's output [hidden]
@@ -112,9 +117,9 @@ class EagleDrafter:
         head, c = self.head, self.head.config
         rows, end = tokens.shape[0], start + tokens.shape[0]
         if self.layer is not None:
-            cos, sin = rotary_angles(positions, c.head_dim, c.rope_theta)
-            x = head.inputs(features, self.embed(tokens))
-            return self.layer.forward(x, cos.view(rows, -1), sin.view(rows, -1), [self.keys], [self.values],
+            x = head.input_proj(torch.cat((self._norm(self.embed(tokens), head.embed_norm),
+                                           self._norm(features, head.feature_norm)), dim=-1))  # head.inputs
+            return self.layer.forward(x, self.cos[positions], self.sin[positions], [self.keys], [self.values],
                                       [start], [0], [rows], [mask], [])[0]
         x, q, k, v = head.project(features, self.embed(tokens), positions)
         keys, values = self.keys[0, 0], self.values[0, 0]  # [kv_heads, capacity, head_dim]
@@ -124,9 +129,27 @@ class EagleDrafter:
         seen = torch.cat((torch.ones(rows, end - mask.shape[1], dtype=torch.bool), mask), dim=1)
         return head.finish(x, q, keys[:, :end].transpose(0, 1), values[:, :end].transpose(0, 1), seen)
 
+    def _norm(self, x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
+        """The head's RMSNorm `norm` of x [R, hidden], on the kernels."""
+        return self.kernels.rms_norm(x.contiguous(), norm.weight, norm.eps)
+
+    def _features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """head.fuse_features: the target's hidden states [R, layers * hidden] -> [R, hidden]."""
+        if self.layer is None:
+            return self.head.fuse_features(hidden)
+        layered = hidden.float().reshape(-1, self.unit.shape[0])  # each layer's state its own row
+        scaled = self.kernels.rms_norm(layered, self.unit, self.head.config.rms_norm_eps)
+        return self.head.fuse(scaled.view(hidden.shape[0], -1))
+
+    def _logits(self, outputs: torch.Tensor) -> torch.Tensor:
+        """head.logits: outputs [R, hidden] -> [R, draft vocab]."""
+        if self.layer is None:
+            return self.head.logits(outputs)
+        return self.head.lm_head(self._norm(outputs, self.head.norm))
+
     def _read_committed(self, context: torch.Tensor) -> None:
         """Row r reads the target's feature of position r and token r + 1, which are now committed."""
-        features = self.head.fuse_features(torch.cat(self.pending))  # [R, hidden]
+        features = self._features(torch.cat(self.pending))  # [R, hidden]
         self.pending = []
         first, rows = self.num_rows, features.shape[0]
         positions = torch.arange(first, first + rows)
@@ -146,7 +169,7 @@ class EagleDrafter:
         frontier = [-1]  # the last committed token: its children come from the last committed row
         for depth in range(1, self.depth + 1):
             outputs = torch.stack([output_of[node] for node in frontier])  # [F, hidden]
-            logprobs = torch.log_softmax(head.logits(outputs), dim=-1)  # [F, draft vocab]
+            logprobs = torch.log_softmax(self._logits(outputs), dim=-1)  # [F, draft vocab]
             best = logprobs.topk(top_k, dim=-1)
             children = []
             for parent, values, indices in zip(frontier, best.values.tolist(), best.indices.tolist()):
