@@ -321,7 +321,8 @@ def _train(args) -> int:
     on_gpu = args.device.startswith("cuda")
     settings = TrainSettings(epochs=args.epochs, ttt_steps=args.ttt_steps, learning_rate=args.learning_rate,
                              eval_every_s=args.eval_every, seed=args.seed, sequences_per_step=args.sequences_per_step,
-                             sequences_per_forward=args.sequences_per_forward or (None if on_gpu else 1),
+                             sequences_per_forward=(args.sequences_per_forward if args.sequences_per_forward is not None
+                                                    else None if on_gpu else 1),
                              max_train_s=None if args.max_minutes is None else 60 * args.max_minutes)
     folder = train_head(args.target, args.out, data, settings, kind=args.kind, progress=not args.quiet,
                         device=args.device, intermediate_size=args.head_intermediate_size)

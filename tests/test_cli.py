@@ -160,3 +160,13 @@ def test_commands_other_than_serve_work_without_the_server_extras():
                          timeout=120)
     assert run.returncode == 2
     assert "server extras" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_train_refuses_a_step_of_no_sequences_before_any_work(tmp_path, capsys):
+    from draftwise.cli import main
+
+    for flag in ("--sequences-per-step", "--sequences-per-forward"):
+        assert main(["train", "--target", "smollm2-135m", "--out", str(tmp_path), flag, "0"]) != 0
+        err = capsys.readouterr().err
+        assert "must be at least 1" in err and "Traceback" not in err
+    assert not any(tmp_path.iterdir())  # no data made, no checkpoint written
