@@ -114,7 +114,7 @@ class EagleDrafter:
         """Head rows written at cache slots start..start + R - 1 -> their outputs [R, hidden]. mask
         [R, W] over the last W of slots 0..start + R - 1 (every slot before those is seen), or
         empty: causal among the new rows."""
-        head, c = self.head, self.head.config
+        head = self.head
         rows, end = tokens.shape[0], start + tokens.shape[0]
         if self.layer is not None:
             x = head.input_proj(torch.cat((self._norm(self.embed(tokens), head.embed_norm),
