@@ -42,6 +42,9 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         # mass reaches top_p, always at least the most likely token.
         mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
         drop_sorted = mass_before >= params.top_p
+        # The most likely token stays whatever top_p is: a Python float below float32's range
+        # (5e-324, which the server's fuzzer sent) compares as 0, which would drop it too (NaN).
+        drop_sorted[..., 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, sorted_ids, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
     if params.min_p > 0.0:

@@ -48,6 +48,12 @@ def test_a_vanishing_temperature_is_the_argmax_not_nan(temperature):
     assert probs.tolist() == [1.0, 0, 0, 0, 0, 0]
 
 
+@pytest.mark.parametrize("top_p", [5e-324, 1e-30])  # the server's fuzzer sent 5e-324 (0 in float32)
+def test_a_vanishing_top_p_keeps_the_most_likely_token_not_nan(top_p):
+    probs = logits_to_probs(LOGITS, SamplingParams(temperature=1.0, top_p=top_p))
+    assert probs.tolist() == [1.0, 0, 0, 0, 0, 0]
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
