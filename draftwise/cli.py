@@ -318,11 +318,12 @@ def _train(args) -> int:
     data = DataSettings(num_questions=args.questions, prompts_file=args.prompts, num_heldout=args.heldout,
                         max_response_tokens=args.max_response_tokens, draft_vocab_size=args.draft_vocab, seed=args.seed,
                         batch_size=args.batch_size)
-    on_gpu = args.device.startswith("cuda")
+    per_forward = args.sequences_per_forward  # None: all of a step's sequences at once, a GPU's way
+    if per_forward is None and not args.device.startswith("cuda"):
+        per_forward = 1  # on the CPU batching did not train faster
     settings = TrainSettings(epochs=args.epochs, ttt_steps=args.ttt_steps, learning_rate=args.learning_rate,
                              eval_every_s=args.eval_every, seed=args.seed, sequences_per_step=args.sequences_per_step,
-                             sequences_per_forward=(args.sequences_per_forward if args.sequences_per_forward is not None
-                                                    else None if on_gpu else 1),
+                             sequences_per_forward=per_forward,
                              max_train_s=None if args.max_minutes is None else 60 * args.max_minutes)
     folder = train_head(args.target, args.out, data, settings, kind=args.kind, progress=not args.quiet,
                         device=args.device, intermediate_size=args.head_intermediate_size)

@@ -19,6 +19,7 @@ from draftwise.drafters.base import Draft, empty_draft
 from draftwise.errors import ConfigError
 from draftwise.heads import check_target
 from draftwise.heads.eagle import EagleHead, rotary_angles
+from draftwise.models import ops
 from draftwise.models.kernels import native_kernels
 from draftwise.tree import best_nodes
 
@@ -74,8 +75,6 @@ class EagleDrafter:
             raise ConfigError(f"top_k ({top_k}) and depth ({depth}) must be at least 1")
         self.head = compact_copy(head)
         self.layer = compiled_layer(self.head)  # None: the head's PyTorch modules run it
-        # Where the layer is compiled its norms run on the kernels too: one call each, not five.
-        self.kernels = None if self.layer is None else native_kernels(progress=False)
         self.unit = torch.ones(head.config.hidden_size)  # fuse_features' weightless RMS scaling
         self.embed = target_model.model.embed_tokens  # the target's own embedding: [T] -> [T, hidden]
         self.hidden_layers = head.config.hidden_layers
@@ -129,22 +128,21 @@ class EagleDrafter:
         seen = torch.cat((torch.ones(rows, end - mask.shape[1], dtype=torch.bool), mask), dim=1)
         return head.finish(x, q, keys[:, :end].transpose(0, 1), values[:, :end].transpose(0, 1), seen)
 
-    def _norm(self, x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
-        """The head's RMSNorm `norm` of x [R, hidden], on the kernels."""
-        return self.kernels.rms_norm(x.contiguous(), norm.weight, norm.eps)
+    # The head's norms through ops.rms_norm (one kernel call where the kernels are built, not the
+    # five PyTorch ops of heads.eagle.RMSNorm, which must stay differentiable for training; the
+    # same formula without them).
+    @staticmethod
+    def _norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
+        return ops.rms_norm(x, norm.weight, norm.eps)
 
     def _features(self, hidden: torch.Tensor) -> torch.Tensor:
         """head.fuse_features: the target's hidden states [R, layers * hidden] -> [R, hidden]."""
-        if self.layer is None:
-            return self.head.fuse_features(hidden)
         layered = hidden.float().reshape(-1, self.unit.shape[0])  # each layer's state its own row
-        scaled = self.kernels.rms_norm(layered, self.unit, self.head.config.rms_norm_eps)
+        scaled = ops.rms_norm(layered, self.unit, self.head.config.rms_norm_eps)
         return self.head.fuse(scaled.view(hidden.shape[0], -1))
 
     def _logits(self, outputs: torch.Tensor) -> torch.Tensor:
         """head.logits: outputs [R, hidden] -> [R, draft vocab]."""
-        if self.layer is None:
-            return self.head.logits(outputs)
         return self.head.lm_head(self._norm(outputs, self.head.norm))
 
     def _read_committed(self, context: torch.Tensor) -> None:
