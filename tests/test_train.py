@@ -250,3 +250,21 @@ def test_hidden_states_from_the_native_decoder_are_transformers_own_and_do_not_d
         assert (mine.labels == theirs.labels).float().mean() > 0.95
     for single, packed in zip(alone, native):
         assert torch.equal(single.features, packed.features) and torch.equal(single.labels, packed.labels)
+
+
+def test_the_draft_vocabulary_lists_the_answers_tokens_most_frequent_first():
+    """draft_vocabulary's order is what lets a drafter keep a prefix (EagleDrafter's draft_vocab):
+    the answers' most frequent token first, prompt tokens not counted, `always` ids kept in front,
+    ties by id."""
+    from draftwise.train.data import Example
+    from draftwise.train.trainer import draft_vocabulary
+
+    def example(labels: list[int], prompt: int) -> Example:
+        n = len(labels)
+        return Example(torch.arange(n), torch.zeros(n, 1), torch.tensor(labels), num_prompt_tokens=prompt)
+
+    # answer labels (from index prompt - 1 on, the last prompt position predicting the answer's
+    # first token): 5 x3, 9 x2, 7 x2, 4 x1; the 8s before them never count
+    examples = [example([8, 8, 5, 5, 9, 7], prompt=3), example([5, 9, 7, 4], prompt=1)]
+    assert draft_vocabulary(examples, 4, always=[]).tolist() == [5, 7, 9, 4]
+    assert draft_vocabulary(examples, 3, always=[2]).tolist() == [2, 5, 7]

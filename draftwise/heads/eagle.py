@@ -54,6 +54,9 @@ class EagleConfig:
     # How head.safetensors stores the matrices: "q8_0" (GGUF's 8-bit blocks of 32, what the
     # drafter multiplies by anyway: half the bytes of "bf16", the same drafts) or "bf16".
     weight_storage: str = "q8_0"
+    # draft_to_target lists the target's ids most frequent first (heads trained since 2026-11-26),
+    # so a drafter may keep a prefix of the vocabulary; older heads list them by id.
+    vocab_by_frequency: bool = False
     training: dict = field(default_factory=dict)  # how it was trained: data, steps, measured acceptance
 
     def __post_init__(self) -> None:

@@ -222,7 +222,8 @@ def _train_head(target_name: str, output: Path, data_settings: DataSettings, set
     vocabulary = draft_vocabulary(examples, min(vocab_size, embed.shape[0]), always=list(target.model.info.eos_token_ids))
     torch.manual_seed(settings.seed)
     if kind == "eagle":
-        config = EagleConfig.for_target(target.model, target_name, vocabulary.shape[0], intermediate_size)
+        config = replace(EagleConfig.for_target(target.model, target_name, vocabulary.shape[0], intermediate_size),
+                         vocab_by_frequency=True)  # draft_vocabulary's order
         head = EagleHead(config)
     else:
         config = MedusaConfig.for_target(target.model, target_name, vocabulary.shape[0], settings.ttt_steps)

@@ -69,7 +69,9 @@ class TrainState:
 
 
 def draft_vocabulary(examples: list[Example], size: int, always: list[int]) -> torch.Tensor:
-    """The `size` target ids the target writes most often in the answers (plus `always`) -> [size]."""
+    """The `size` target ids the target writes most often in the answers (plus `always`) -> [size],
+    most frequent first (ties by id): any prefix is then the best vocabulary of its size, so a
+    drafter may score fewer rows than the head was trained with (EagleDrafter's draft_vocab)."""
     counts = torch.zeros(int(max(int(e.labels.max()) for e in examples)) + 1, dtype=torch.long)
     for example in examples:
         answer_labels = example.labels[example.num_prompt_tokens - 1:]
@@ -77,8 +79,8 @@ def draft_vocabulary(examples: list[Example], size: int, always: list[int]) -> t
     for token in always:
         if token < counts.shape[0]:
             counts[token] = counts.max() + 1
-    ranked = counts.argsort(descending=True)
-    return ranked[:size].sort().values
+    ranked = counts.argsort(descending=True, stable=True)
+    return ranked[:size]
 
 
 def train(head: torch.nn.Module, loss_fn: LossFunction, examples: list[Example], settings: TrainSettings,
