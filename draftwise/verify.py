@@ -36,12 +36,20 @@ class Verdict(NamedTuple):
         return list(range(self.num_accepted)) if self.path is None else list(self.path)
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """[n, vocab] -> [n]: each row's argmax, the first of equal maxima (NaN counting as the
+    largest), as torch.argmax gives it. Through max(): on 2 threads over SmolLM2's 49,152 logits
+    argmax took 62 / 308 us for 1 / 10 rows, max 26 / 99 us (AMX Xeon, torch 2.13), and every
+    greedy step pays it."""
+    return logits.max(dim=-1).indices
+
+
 def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> Verdict:
     """Keep the longest prefix of the draft that equals the target's argmax.
 
     draft_tokens: [k]; target_logits: [k + 1, vocab], row i scoring the token after draft i-1.
     """
-    target_tokens = target_logits.argmax(dim=-1)  # [k + 1]
+    target_tokens = argmax_rows(target_logits)  # [k + 1]
     matches = (draft_tokens == target_tokens[:-1]).int()  # [k]
     num_accepted = int(matches.cumprod(dim=0).sum())  # one sync per step: the engine needs it
     return Verdict(num_accepted, int(target_tokens[num_accepted]))
@@ -89,7 +97,7 @@ def verify_tree_greedy(draft_tokens: torch.Tensor, parents: torch.Tensor, target
     """Keep the longest root-to-node path whose every token is the target's argmax after its
     parent. draft_tokens, parents: [n]; target_logits: [1 + n, vocab], row 0 the root's
     (the last committed token), row 1 + i node i's."""
-    target_tokens = target_logits.argmax(dim=-1).tolist()  # one sync per step: the walk needs them
+    target_tokens = argmax_rows(target_logits).tolist()  # one sync per step: the walk needs them
     tokens = draft_tokens.tolist()
     children = children_lists(parents)
     path: list[int] = []

@@ -100,7 +100,7 @@ inline void weighted_sum(const float* const* weights, const int32_t* keys, int64
     if (c + PREFETCH_ROWS < count) prefetch_row(V + int64_t(keys[c + PREFETCH_ROWS]) * D, D);
     v16 weight[NH];
 #pragma GCC unroll 4
-    for (int h = 0; h < NH; ++h) weight[h] = in_register(v16{} + weights[h][c]);
+    for (int h = 0; h < NH; ++h) weight[h] = in_register(broadcast16(weights[h][c]));
 #pragma GCC unroll 8
     for (int n = 0; n < N; ++n) {
       const v16 value = load16(v + 16 * n);

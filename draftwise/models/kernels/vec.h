@@ -75,6 +75,20 @@ inline v16 in_register(v16 v) {
   return v;
 }
 
+// x in all 16 lanes, exactly. On AVX-512 one broadcast from memory (a load, no arithmetic
+// port); `v16{} + x` made GCC add x to zero as a scalar and then shuffle it across the lanes:
+// two more instructions on the ports the multiply-adds need, per key and head in attention.
+inline v16 broadcast16(const float& x) {
+#if defined(__AVX512F__)
+  const __m512 v = _mm512_set1_ps(x);
+  v16 out;
+  std::memcpy(&out, &v, sizeof out);
+  return out;
+#else
+  return v16{} + x;
+#endif
+}
+
 // values, read from memory from here on: GCC would otherwise keep an array of scales it has
 // just stored in a register and broadcast each one with a lane permute (one more instruction
 // per 16 weights) instead of a multiply's broadcast operand from memory (free). Values are
