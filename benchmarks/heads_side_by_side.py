@@ -1,11 +1,12 @@
 """EAGLE heads side by side with plain decoding, prompt by prompt, in one process.
 
     python benchmarks/heads_side_by_side.py draftwise/heads/shipped/smollm2-135m/eagle OTHER_HEAD
-    python benchmarks/heads_side_by_side.py HEAD --shapes 3x3,2x3,3x4 --draft-vocab 0,4096
+    python benchmarks/heads_side_by_side.py HEAD --shapes 3x3,3x8:0.5,4x8:0.5 --draft-vocab 0,4096
 
 Each prompt of the bench suite's chat, math and translation categories (--per-category each,
 96 new tokens, greedy) goes through plain decoding and then every configuration (each head x
-tree shape x draft vocabulary) before the next prompt starts, so a machine that speeds up or
+tree shape x draft vocabulary; a shape is TOPKxDEPTH, a fixed tree, or TOPKxDEPTH:P, growing only
+nodes of path probability >= P, EagleDrafter's min_path_probability) before the next prompt starts, so a machine that speeds up or
 slows down during the run (shared CPUs do) moves every column alike. Prints, per configuration
 and category, the speed-up over plain decoding and the tokens committed per target forward.
 The README's head comparisons come from this script.
@@ -27,15 +28,24 @@ from draftwise.models import loading
 CATEGORIES = ["chat", "math", "translation"]
 
 
-def main(model: str, heads: list[str], shapes: list[tuple[int, int]], vocabs: list[int], per_category: int) -> None:
+def parse_shape(text: str) -> tuple[int, int, float]:
+    """"4x8:0.5" -> (4, 8, 0.5); "3x3" -> (3, 3, 0.0), a fixed tree."""
+    size, _, threshold = text.partition(":")
+    top_k, depth = (int(n) for n in size.split("x"))
+    return top_k, depth, float(threshold or 0.0)
+
+
+def main(model: str, heads: list[str], shapes: list[tuple[int, int, float]], vocabs: list[int],
+         per_category: int) -> None:
     target = loading.load(model, progress=False, activations="auto")
     engines = {"plain": Engine(target)}
     for path in heads:
         head = load_head(path, target.model)
-        for top_k, depth in shapes:
+        for top_k, depth, threshold in shapes:
             for vocab in vocabs:
-                drafter = EagleDrafter(head, target.model, top_k, depth, draft_vocab=vocab or None)
-                name = f"{path} {top_k}x{depth}" + (f" vocab {vocab}" if vocab else "")
+                drafter = EagleDrafter(head, target.model, top_k, depth, draft_vocab=vocab or None,
+                                       min_path_probability=threshold)
+                name = f"{path} {top_k}x{depth}" + (f":{threshold}" if threshold else "") + (f" vocab {vocab}" if vocab else "")
                 engines[name] = Engine(target, drafter, 16, DraftLengthPolicy())
     params = SamplingParams(max_new_tokens=96)
     # (config, category) -> [tokens, seconds, committed, forwards]
@@ -63,9 +73,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("heads", nargs="+", help="head folders (head.json + head.safetensors)")
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--shapes", default="3x3", help="comma-separated TOPKxDEPTH tree shapes")
+    parser.add_argument("--shapes", default="4x8:0.5", help="comma-separated TOPKxDEPTH[:P] tree shapes")
     parser.add_argument("--draft-vocab", default="0", help="comma-separated draft vocabulary sizes (0: all)")
     parser.add_argument("--per-category", type=int, default=4)
     args = parser.parse_args()
-    main(args.model, args.heads, [tuple(int(n) for n in shape.split("x")) for shape in args.shapes.split(",")],
+    main(args.model, args.heads, [parse_shape(shape) for shape in args.shapes.split(",")],
          [int(n) for n in args.draft_vocab.split(",")], args.per_category)

@@ -3,14 +3,19 @@
 Each step the head first reads the rows the target just committed (their fused hidden states
 and the next tokens), then expands a dynamic tree as EAGLE-2 does (Li et al., "EAGLE-2: Faster
 Inference of Language Models with Dynamic Draft Trees", EMNLP 2024): the top_k best children of
-each frontier node, the top_k best new nodes by path probability as the next frontier, depth
-times; finally the best nodes overall by path probability, as many as the engine allows. Their
+each frontier node, the top_k best new nodes by path probability as the next frontier, up to
+depth times; finally the best nodes overall by path probability, as many as the engine allows.
+Only nodes whose path probability reaches min_path_probability are expanded, so a tree grows deep
+where the head is sure (a formula, a repeated phrase) and stops after one level where it is not,
+without paying a head forward for levels the target would reject. Their
 path probabilities go out as the draft's scores, so the draft-length policy can keep as many
 nodes as this machine's measured forward costs pay for. The tokens are fixed guesses (point
 masses), so sampling verifies them losslessly too (verify.verify_tree_rejection).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -84,20 +89,30 @@ def compiled_layer(head: torch.nn.Module):
 class EagleDrafter:
     sequential = False  # one tree per step whatever its size; the policy trims nodes by score
 
-    # Defaults measured on SmolLM2 with its shipped head (`python benchmarks/eagle_trees.py auto
-    # HEAD --shapes 3x3,3x4,4x4,2x4,3x5,3x3`, chat/math/translation, AMX Xeon, 2 threads,
-    # 2026-11-26): 3 x 3 trees 1.32-1.33x plain (2.27 tokens a forward, drafting 4.8 ms a step),
-    # 2 x 4 1.32x, 3 x 4 1.28x (2.46, 6.3 ms), 4 x 4 1.27x, 3 x 5 1.26x (2.48, 7.5 ms): each depth
-    # costs ~1.5 ms of drafting against a 9 ms target step, so deeper trees do not pay here.
-    def __init__(self, head: EagleHead, target_model, top_k: int = 3, depth: int = 3,
-                 draft_vocab: int | None = None) -> None:
-        """draft_vocab: how many of the head's draft tokens to score, most frequent first (None: all).
-        Measured with the shipped SmolLM2 head (3 x 3 trees, AMX Xeon, 2026-11-26): 4,096 of its
-        8,192 saved ~0.5 ms of a 3.2 ms drafting step but committed 4% fewer tokens a forward on
-        24 new chat questions (2.61 -> 2.50), so all of them is the default."""
+    # Defaults measured on SmolLM2 with its shipped head (`python benchmarks/heads_side_by_side.py
+    # HEAD --shapes 3x3,3x8:0.5,3x8:0.6,4x8:0.5 --per-category 6`: the bench suite's chat, math
+    # and translation prompts, 6 a category, 96 tokens, each prompt through plain decoding and
+    # every shape in turn, one process, AMX Xeon, 2 threads, 2026-11-26): fixed 3 x 3 trees 1.44x
+    # plain (2.36 tokens a forward, drafting 3.4 ms a step); growing only nodes of path
+    # probability >= 0.5, 3 x 8 1.55x (2.42, 2.9 ms), 4 x 8 1.58x (2.46, 2.7 ms); >= 0.6, 3 x 8
+    # 1.56x. Without the threshold each level costs ~1 ms of drafting against a 9.6 ms token, and
+    # deeper fixed trees did not pay (3 x 4 1.39x, 3 x 5 1.26x): most levels were grown where
+    # nothing survived verification.
+    def __init__(self, head: EagleHead, target_model, top_k: int = 4, depth: int = 8,
+                 draft_vocab: int | None = None, min_path_probability: float = 0.5) -> None:
+        """top_k: children per expanded node, and nodes expanded per level; depth: the most levels;
+        min_path_probability: the least path probability (the head's, the product along the path)
+        of a node that is expanded, 0 to expand the top_k of every level; draft_vocab: how many of
+        the head's draft tokens to score, most frequent first (None: all). Measured with the
+        shipped SmolLM2 head (3 x 3 trees, AMX Xeon, 2026-11-26): 4,096 of its 8,192 saved ~0.5 ms
+        of a 3.2 ms drafting step but committed 4% fewer tokens a forward on 24 new chat questions
+        (2.61 -> 2.50), so all of them is the default."""
         check_target(head.config, target_model)
         if top_k < 1 or depth < 1:
             raise ConfigError(f"top_k ({top_k}) and depth ({depth}) must be at least 1")
+        if not 0.0 <= min_path_probability < 1.0:
+            raise ConfigError(f"min_path_probability={min_path_probability} must be in [0, 1): the least path "
+                              "probability of a node the tree grows from (0: every level's top_k).")
         if draft_vocab is not None and draft_vocab < top_k:
             raise ConfigError(f"draft_vocab={draft_vocab} is below top_k={top_k}: a node needs top_k tokens to choose from.")
         self.head = compact_copy(head if draft_vocab is None else keep_vocabulary(head, draft_vocab))
@@ -107,6 +122,7 @@ class EagleDrafter:
         self.hidden_layers = head.config.hidden_layers
         self.top_k = top_k
         self.depth = depth
+        self.min_log_path = math.log(min_path_probability) if min_path_probability > 0 else float("-inf")
 
     def begin(self, params: SamplingParams, generator: torch.Generator, max_length: int) -> None:
         c = self.head.config
@@ -211,7 +227,10 @@ class EagleDrafter:
                 break
             # Expand the top_k new nodes by path probability: one head forward over all of them,
             # written after the draft rows already in the cache, each seeing its ancestors' rows.
-            frontier = sorted(children, key=lambda node: -scores[node])[:top_k]
+            frontier = [node for node in sorted(children, key=lambda node: -scores[node])[:top_k]
+                        if scores[node] >= self.min_log_path]
+            if not frontier:  # no node sure enough to grow: the tree stops at this level
+                break
             placed = len(slot_of)  # draft rows in the cache, from slot num_rows on
             for index, node in enumerate(frontier):
                 slot_of[node] = placed + index
