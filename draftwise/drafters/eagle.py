@@ -7,7 +7,7 @@ each frontier node, the top_k best new nodes by path probability as the next fro
 depth times; finally the best nodes overall by path probability, as many as the engine allows.
 Only nodes whose path probability reaches min_path_probability are expanded, so a tree grows deep
 where the head is sure (a formula, a repeated phrase) and stops after one level where it is not,
-without paying a head forward for levels the target would reject. Their
+without paying a head forward for levels the target would reject. The nodes'
 path probabilities go out as the draft's scores, so the draft-length policy can keep as many
 nodes as this machine's measured forward costs pay for. The tokens are fixed guesses (point
 masses), so sampling verifies them losslessly too (verify.verify_tree_rejection).
@@ -50,7 +50,8 @@ def compact_copy(head: torch.nn.Module) -> torch.nn.Module:
 def keep_vocabulary(head: torch.nn.Module, size: int) -> torch.nn.Module:
     """A copy of the head that scores only the first `size` tokens of its draft vocabulary (the
     most frequent ones where head.config.vocab_by_frequency): its LM head is a third of a
-    drafting depth's time, and the rare tokens it drops are seldom the ones the target writes."""
+    drafting level's time; the tokens it drops can no longer be proposed (EagleDrafter's
+    docstring has what that cost the shipped SmolLM2 head)."""
     import copy
 
     rows = head.lm_head.weight.shape[0]
