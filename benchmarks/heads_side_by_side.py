@@ -5,7 +5,7 @@
 
 Each prompt of the bench suite's chat, math and translation categories (--per-category each,
 96 new tokens, greedy) goes through plain decoding and then every configuration (each head x
-tree shape x draft vocabulary; a shape is TOPKxDEPTH, a fixed tree, or TOPKxDEPTH:P, growing only
+tree shape x draft vocabulary x prompt-lookup length; a shape is TOPKxDEPTH, a fixed tree, or TOPKxDEPTH:P, growing only
 nodes of path probability >= P, EagleDrafter's min_path_probability) before the next prompt starts, so a machine that speeds up or
 slows down during the run (shared CPUs do) moves every column alike. Prints, per configuration
 and category, the speed-up over plain decoding and the tokens committed per target forward.
@@ -36,21 +36,23 @@ def parse_shape(text: str) -> tuple[int, int, float]:
 
 
 def main(model: str, heads: list[str], shapes: list[tuple[int, int, float]], vocabs: list[int],
-         per_category: int) -> None:
+         lookups: list[int], categories: list[str], per_category: int) -> None:
     target = loading.load(model, progress=False, activations="auto")
     engines = {"plain": Engine(target)}
     for path in heads:
         head = load_head(path, target.model)
         for top_k, depth, threshold in shapes:
             for vocab in vocabs:
-                drafter = EagleDrafter(head, target.model, top_k, depth, draft_vocab=vocab or None,
-                                       min_path_probability=threshold)
-                name = f"{path} {top_k}x{depth}" + (f":{threshold}" if threshold else "") + (f" vocab {vocab}" if vocab else "")
-                engines[name] = Engine(target, drafter, 16, DraftLengthPolicy())
+                for lookup in lookups:
+                    drafter = EagleDrafter(head, target.model, top_k, depth, draft_vocab=vocab or None,
+                                           min_path_probability=threshold, lookup=lookup)
+                    name = (f"{path} {top_k}x{depth}" + (f":{threshold}" if threshold else "")
+                            + (f" vocab {vocab}" if vocab else "") + f" lookup {lookup}")
+                    engines[name] = Engine(target, drafter, 16, DraftLengthPolicy())
     params = SamplingParams(max_new_tokens=96)
     # (config, category) -> [tokens, seconds, committed, forwards]
     totals: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0, 0])
-    for prompt in load_suite(default_prompt_dir(), CATEGORIES, per_category):
+    for prompt in load_suite(default_prompt_dir(), categories, per_category):
         for name, engine in engines.items():
             metrics = engine.generate(list(prompt.messages), params).metrics
             for row in (totals[(name, prompt.category)], totals[(name, "all")]):
@@ -60,7 +62,7 @@ def main(model: str, heads: list[str], shapes: list[tuple[int, int, float]], voc
                 row[3] += metrics.num_target_forwards
     for name in engines:
         cells = []
-        for category in CATEGORIES + ["all"]:
+        for category in categories + ["all"]:
             tokens, seconds, committed, forwards = totals[(name, category)]
             plain_tokens, plain_seconds, _, _ = totals[("plain", category)]
             speedup = (tokens / seconds) / (plain_tokens / plain_seconds)
@@ -75,7 +77,10 @@ if __name__ == "__main__":
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--shapes", default="4x8:0.5", help="comma-separated TOPKxDEPTH[:P] tree shapes")
     parser.add_argument("--draft-vocab", default="0", help="comma-separated draft vocabulary sizes (0: all)")
+    parser.add_argument("--lookup", default="8", help="comma-separated prompt-lookup lengths (0: none)")
+    parser.add_argument("--categories", default=",".join(CATEGORIES), help="comma-separated bench categories")
     parser.add_argument("--per-category", type=int, default=4)
     args = parser.parse_args()
     main(args.model, args.heads, [parse_shape(shape) for shape in args.shapes.split(",")],
-         [int(n) for n in args.draft_vocab.split(",")], args.per_category)
+         [int(n) for n in args.draft_vocab.split(",")], [int(n) for n in args.lookup.split(",")],
+         args.categories.split(","), args.per_category)

@@ -6,6 +6,7 @@ tests/test_train.py trains both kinds and checks what it wrote."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from dataclasses import replace
 
@@ -54,9 +55,9 @@ def eagle_head(smollm2):
 @pytest.mark.parametrize("shape", ["tree", "chain"])
 def test_eagle_speculation_equals_plain_greedy(smollm2, plain_outputs, eagle_head, shape):
     # top_k=1: one child per node, a chain drawn through the same tree path. Every level grown
-    # (min_path_probability 0), so the floors measure the head, not the growth rule.
+    # (min_path_probability 0) and no prompt lookup, so the floors measure the head alone.
     drafter = EagleDrafter(eagle_head, smollm2.model, top_k=1 if shape == "chain" else 8, depth=6,
-                           min_path_probability=0.0)
+                           min_path_probability=0.0, lookup=0)
     engine = Engine(smollm2, drafter, num_draft_tokens=16)
     assert tokens_per_forward_if_equal(engine, plain_outputs) > EAGLE_MIN_TOKENS_PER_FORWARD[shape]
 
@@ -224,7 +225,7 @@ def test_trees_grow_only_from_nodes_sure_enough(smollm2, plain_outputs, eagle_he
     """min_path_probability: a node has children only where its path probability reaches the
     threshold; 0 grows every level to the full depth. Greedy output equals plain decoding's
     whatever the tree, and a higher threshold drafts shallower trees."""
-    drafter = RecordingEagle(eagle_head, smollm2.model, top_k=2, depth=5, min_path_probability=threshold)
+    drafter = RecordingEagle(eagle_head, smollm2.model, top_k=2, depth=5, min_path_probability=threshold, lookup=0)
     drafter.drafts, drafter.budgets = [], []
     tokens_per_forward = tokens_per_forward_if_equal(Engine(smollm2, drafter, num_draft_tokens=24), plain_outputs)
     for draft in drafter.drafts:
@@ -251,7 +252,8 @@ def test_a_frequency_ordered_head_drafts_from_a_prefix_of_its_vocabulary(smollm2
     speculation stays equal to plain decoding."""
     assert eagle_head.config.vocab_by_frequency
     size = 1024
-    whole, kept = EagleDrafter(eagle_head, smollm2.model), RecordingEagle(eagle_head, smollm2.model, draft_vocab=size)
+    whole = EagleDrafter(eagle_head, smollm2.model)
+    kept = RecordingEagle(eagle_head, smollm2.model, draft_vocab=size, lookup=0)  # lookup copies any token
     assert torch.equal(kept.head.draft_to_target, eagle_head.draft_to_target[:size])
     outputs = torch.randn(3, eagle_head.config.hidden_size)
     assert whole._logits(outputs).shape[1] == eagle_head.config.draft_vocab_size
@@ -272,7 +274,40 @@ def test_a_vocabulary_prefix_is_refused_where_a_head_lists_its_tokens_by_id(smol
         EagleDrafter(eagle_head, smollm2.model, top_k=3, draft_vocab=2)
 
 
+def test_a_negative_lookup_length_is_refused(smollm2, eagle_head):
+    with pytest.raises(ConfigError, match="lookup=-1"):
+        EagleDrafter(eagle_head, smollm2.model, lookup=-1)
+
+
 @pytest.mark.parametrize("threshold", [-0.1, 1.0, 2.0])
 def test_a_path_probability_threshold_outside_0_1_is_refused(smollm2, eagle_head, threshold):
     with pytest.raises(ConfigError, match=r"min_path_probability=.* must be in \[0, 1\)"):
         EagleDrafter(eagle_head, smollm2.model, min_path_probability=threshold)
+
+
+def test_prompt_lookup_joins_the_tree_as_a_path_from_the_root(smollm2, eagle_head):
+    """EagleDrafter(lookup=L): what followed the latest earlier occurrence of the context's last
+    tokens joins the head's tree, along the head's own nodes where they spell it (their scores
+    raised to the copy's where lower) and as new nodes below, each LOOKUP_PROBABILITY of its
+    parent, so scores never rise from parent to child."""
+    from draftwise.drafters.eagle import LOOKUP_LOG_PROBABILITY
+
+    drafter = EagleDrafter(eagle_head, smollm2.model, lookup=8)
+    context = torch.tensor([5, 6, 7, 8, 9, 10, 11, 12, 5, 6])  # [5, 6] occurred before: [7, 8, ..., 6] followed
+    step = LOOKUP_LOG_PROBABILITY
+    for head_score, kept in ((math.log(0.9), math.log(0.9)), (math.log(0.1), step)):
+        tokens, parents, scores, depths = [7, 99], [-1, -1], [head_score, math.log(0.05)], [1, 1]
+        drafter._add_lookup(context, tokens, parents, scores, depths)
+        assert tokens == [7, 99, 8, 9, 10, 11, 12, 5, 6]
+        assert parents == [-1, -1, 0, 2, 3, 4, 5, 6, 7] and depths == [1, 1, 2, 3, 4, 5, 6, 7, 8]
+        assert scores[0] == pytest.approx(kept)
+        assert scores[2:] == pytest.approx([kept + k * step for k in range(1, 8)])
+    tokens, parents, scores, depths = [7], [-1], [0.0], [1]
+    drafter._add_lookup(torch.tensor([1, 2, 3, 4]), tokens, parents, scores, depths)  # no repeat: nothing added
+    assert tokens == [7] and parents == [-1]
+
+
+@pytest.mark.parametrize("lookup", [0, 8])
+def test_eagle_with_and_without_prompt_lookup_equals_plain_greedy(smollm2, plain_outputs, eagle_head, lookup):
+    drafter = EagleDrafter(eagle_head, smollm2.model, lookup=lookup)
+    assert tokens_per_forward_if_equal(Engine(smollm2, drafter, num_draft_tokens=24), plain_outputs) > 1.5

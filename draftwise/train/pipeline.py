@@ -238,10 +238,10 @@ def _train_head(target_name: str, output: Path, data_settings: DataSettings, set
     on_cpu = lambda: copy.deepcopy(head).cpu()  # noqa: E731  (what the drafters run, for the held-out measure)
     if kind == "eagle":
         loss_fn = eagle_loss(head, embed, settings.ttt_steps)
-        # A generous tree (8 children x 6 deep, every level grown) measures what the head knows,
-        # not what a step can afford.
+        # A generous tree (8 children x 6 deep, every level grown, no prompt lookup) measures what
+        # the head knows, not what a step can afford.
         drafter_factory = lambda: EagleDrafter(on_cpu(), target.model, top_k=8, depth=6,  # noqa: E731
-                                               min_path_probability=0.0)
+                                               min_path_probability=0.0, lookup=0)
     else:
         loss_fn = medusa_loss(head, embed.shape[0])
         drafter_factory = lambda: MedusaDrafter(on_cpu(), target.model)  # noqa: E731
