@@ -288,8 +288,8 @@ def test_a_path_probability_threshold_outside_0_1_is_refused(smollm2, eagle_head
 def test_prompt_lookup_joins_the_tree_as_a_path_from_the_root(smollm2, eagle_head):
     """EagleDrafter(lookup=L): what followed the latest earlier occurrence of the context's last
     tokens joins the head's tree, along the head's own nodes where they spell it (their scores
-    raised to the copy's where lower) and as new nodes below, each LOOKUP_PROBABILITY of its
-    parent, so scores never rise from parent to child."""
+    raised to the copy's where lower) and as new nodes below, each LOOKUP_LOG_PROBABILITY below
+    its parent, so scores never rise from parent to child."""
     from draftwise.drafters.eagle import LOOKUP_LOG_PROBABILITY
 
     drafter = EagleDrafter(eagle_head, smollm2.model, lookup=8)

@@ -120,11 +120,10 @@ class EagleDrafter:
         of a node that is expanded, 0 to expand the top_k of every level; lookup: up to this many
         tokens copied from what followed the latest earlier occurrence of the context's last 2-4
         tokens (prompt lookup, NgramDrafter) join the tree as a path from its root, 0 for none;
-        draft_vocab: how many of
-        the head's draft tokens to score, most frequent first (None: all). Measured with the
-        shipped SmolLM2 head (3 x 3 trees, AMX Xeon, 2026-11-26): 4,096 of its 8,192 saved ~0.5 ms
-        of a 3.2 ms drafting step but committed 4% fewer tokens a forward on 24 new chat questions
-        (2.61 -> 2.50), so all of them is the default."""
+        draft_vocab: how many of the head's draft tokens to score, most frequent first (None: all).
+        Measured with the shipped SmolLM2 head (3 x 3 trees, AMX Xeon, 2026-11-26): 4,096 of its
+        8,192 saved ~0.5 ms of a 3.2 ms drafting step but committed 4% fewer tokens a forward on
+        24 new chat questions (2.61 -> 2.50), so all of them is the default."""
         check_target(head.config, target_model)
         if top_k < 1 or depth < 1:
             raise ConfigError(f"top_k ({top_k}) and depth ({depth}) must be at least 1")
@@ -224,8 +223,8 @@ class EagleDrafter:
                     depths: list[int]) -> None:
         """Merge, in place, what followed the latest earlier occurrence of the context's last
         tokens (prompt lookup, NgramDrafter) into the tree as a path from the root: along the
-        tree's own nodes where they spell it, then as new nodes. Each step of the path scores
-        0.8 of its parent (LOOKUP_LOG_PROBABILITY), or the head's own score where that is higher,
+        tree's own nodes where they spell it, then as new nodes. Each step of the path scores its
+        parent's score plus LOOKUP_LOG_PROBABILITY, or the head's own score where that is higher,
         so the policy keeps the copied tokens as it keeps the head's, by expected gain."""
         chain = self.lookup.propose(context, self.lookup_length).tokens.tolist()
         child_of = {(parent, token): node for node, (parent, token) in enumerate(zip(parents, tokens))}
