@@ -268,6 +268,28 @@ def test_attention_over_a_bfloat16_cache_is_the_float32_arithmetic_on_its_values
         kernels.attention(queries, keys, values.float(), start, causal, head_dim ** -0.5)
 
 
+@pytest.mark.parametrize("num_new", range(1, 10))
+def test_attention_bits_do_not_depend_on_how_threads_share_the_positions(kernels, num_new):
+    # SmolLM2's 3 key/value heads over 2 threads: 2-8 positions go in more chunks than over 1
+    # thread (rowwise.cpp's balanced_chunks), a tree's too; each query's bits must not move.
+    torch.manual_seed(num_new)
+    start, scale = 45, 64 ** -0.5
+    keys, values = torch.randn(3, 64, 64).bfloat16(), torch.randn(3, 64, 64).bfloat16()
+    queries = torch.randn(num_new, 9, 64)
+    tree = (torch.rand(num_new, num_new) < 0.5).tril() | torch.eye(num_new, dtype=torch.bool)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            results.append([kernels.attention(queries, keys, values, start, mask, scale)
+                            for mask in (torch.empty(0, dtype=torch.bool), tree)])
+    finally:
+        torch.set_num_threads(threads)
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (12, 2, 128)])
 def test_a_mask_may_reach_back_over_slots_before_the_new_rows(kernels, heads, kv_heads, head_dim, cache_dtype):

@@ -139,6 +139,7 @@ class EagleDrafter:
         self.unit = torch.ones(head.config.hidden_size)  # fuse_features' weightless RMS scaling
         self.embed = target_model.model.embed_tokens  # the target's own embedding: [T] -> [T, hidden]
         self.hidden_layers = head.config.hidden_layers
+        self.to_target = self.head.draft_to_target.tolist()  # draft-vocabulary id -> target id
         self.top_k = top_k
         self.depth = depth
         self.min_log_path = math.log(min_path_probability) if min_path_probability > 0 else float("-inf")
@@ -242,51 +243,52 @@ class EagleDrafter:
             node = child_of[(parents[-1], token)] = len(tokens) - 1
 
     def _grow_tree(self, context: torch.Tensor, num_nodes: int) -> Draft:
-        head, top_k, num_committed = self.head, self.top_k, context.shape[0]
-        tokens: list[int] = []  # draft-vocabulary ids
+        # The bookkeeping is Python lists and one tensor per level for each of the head's
+        # inputs: each PyTorch call costs a few microseconds, and a level's call count once cost
+        # as much as its arithmetic.
+        top_k, num_committed, to_target = self.top_k, context.shape[0], self.to_target
+        tokens: list[int] = []  # target ids
         parents: list[int] = []
         scores: list[float] = []  # log path probabilities
         depths: list[int] = []
         slot_of: dict[int, int] = {}  # expanded node -> its draft row, slot num_rows + that
         ancestors: dict[int, list[int]] = {-1: []}
-        output_of = {-1: self.last_output}  # expanded node -> its row's output, the feature its children read
+        outputs = self.last_output[None]  # the frontier's outputs [F, hidden], the features its children read
         frontier = [-1]  # the last committed token: its children come from the last committed row
         for depth in range(1, self.depth + 1):
-            outputs = torch.stack([output_of[node] for node in frontier])  # [F, hidden]
-            logprobs = torch.log_softmax(self._logits(outputs), dim=-1)  # [F, draft vocab]
-            best = logprobs.topk(top_k, dim=-1)
+            best = torch.log_softmax(self._logits(outputs), dim=-1).topk(top_k, dim=-1)  # [F, top_k]
             children = []
-            for parent, values, indices in zip(frontier, best.values.tolist(), best.indices.tolist()):
+            for row, (parent, values, indices) in enumerate(zip(frontier, best.values.tolist(), best.indices.tolist())):
                 base = scores[parent] if parent >= 0 else 0.0
                 for value, token in zip(values, indices):
-                    tokens.append(token)
+                    node = len(tokens)
+                    tokens.append(to_target[token])
                     parents.append(parent)
                     scores.append(base + value)
                     depths.append(depth)
-                    node = len(tokens) - 1
                     ancestors[node] = ancestors[parent] + [node]
-                    children.append(node)
+                    children.append((node, row))
             if depth == self.depth:
                 break
             # Expand the top_k new nodes by path probability: one head forward over all of them,
             # written after the draft rows already in the cache, each seeing its ancestors' rows.
-            frontier = [node for node in sorted(children, key=lambda node: -scores[node])[:top_k]
-                        if scores[node] >= self.min_log_path]
-            if not frontier:  # no node sure enough to grow: the tree stops at this level
+            children.sort(key=lambda child: -scores[child[0]])
+            expanded = [(node, row) for node, row in children[:top_k] if scores[node] >= self.min_log_path]
+            if not expanded:  # no node sure enough to grow: the tree stops at this level
                 break
+            frontier = [node for node, _ in expanded]
             placed = len(slot_of)  # draft rows in the cache, from slot num_rows on
             for index, node in enumerate(frontier):
                 slot_of[node] = placed + index
-            mask = torch.zeros(len(frontier), placed + len(frontier), dtype=torch.bool)
+            mask = [[False] * (placed + len(frontier)) for _ in frontier]
             for row, node in enumerate(frontier):
-                mask[row, [slot_of[a] for a in ancestors[node]]] = True  # its ancestors' rows and its own
-            features = torch.stack([output_of[parents[node]] for node in frontier])
+                for ancestor in ancestors[node]:
+                    mask[row][slot_of[ancestor]] = True  # its ancestors' rows and its own
+            features = outputs[[row for _, row in expanded]]  # each node reads its parent's output
             # Node at depth d holds the token of position num_committed - 1 + d.
-            positions = torch.tensor([num_committed - 1 + depths[node] for node in frontier])
+            positions = torch.full((len(frontier),), num_committed - 1 + depth)
             draft_ids = torch.tensor([tokens[node] for node in frontier])
-            new_outputs = self._run(features, head.draft_to_target[draft_ids], positions, self.num_rows + placed, mask)
-            output_of.update(zip(frontier, new_outputs))
-        tokens = head.draft_to_target[torch.tensor(tokens, dtype=torch.long)].tolist()  # target ids from here on
+            outputs = self._run(features, draft_ids, positions, self.num_rows + placed, torch.tensor(mask))
         if self.lookup:
             self._add_lookup(context, tokens, parents, scores, depths)
         # The best nodes overall; a node's ancestors score at least as well, so they come first.
