@@ -23,7 +23,7 @@ import torch
 
 from draftwise.config import SamplingParams
 from draftwise.drafters.base import Draft, empty_draft
-from draftwise.drafters.ngram import NgramDrafter
+from draftwise.drafters.lookup import TreeLookup
 from draftwise.errors import ConfigError
 from draftwise.heads import check_target
 from draftwise.heads.eagle import EagleHead, rotary_angles
@@ -31,13 +31,6 @@ from draftwise.models import ops
 from draftwise.models.kernels import native_kernels
 from draftwise.tree import best_nodes
 
-# Prompt lookup beside the head (EagleDrafter's lookup): the copied tokens' path probability
-# per step, and the shortest match of the context's last tokens that counts. Per step 0.4 / 0.6 /
-# 0.8 / 0.9 gave 1.59x / 1.77x / 1.81-1.87x / 1.90x plain on chat, translation, code edits and
-# RAG (2 prompts each, 96 tokens, one process per value, AMX Xeon, 2026-11-26); 0.9 and 0.6 over
-# all six categories 1.73x and 1.72x: 0.8, the middle of the plateau.
-LOOKUP_LOG_PROBABILITY = math.log(0.8)
-LOOKUP_MIN_N = 2
 _CAUSAL = torch.empty(0, dtype=torch.bool)  # kernels.Decoder's "no mask": causal among the new rows
 
 
@@ -143,8 +136,7 @@ class EagleDrafter:
         self.top_k = top_k
         self.depth = depth
         self.min_log_path = math.log(min_path_probability) if min_path_probability > 0 else float("-inf")
-        self.lookup = NgramDrafter(min_n=LOOKUP_MIN_N) if lookup > 0 else None
-        self.lookup_length = lookup
+        self.lookup = TreeLookup(lookup) if lookup > 0 else None
 
     def begin(self, params: SamplingParams, generator: torch.Generator, max_length: int) -> None:
         c = self.head.config
@@ -220,28 +212,6 @@ class EagleDrafter:
         self.num_rows += rows
         self.last_output = outputs[-1]
 
-    def _add_lookup(self, context: torch.Tensor, tokens: list[int], parents: list[int], scores: list[float],
-                    depths: list[int]) -> None:
-        """Merge, in place, what followed the latest earlier occurrence of the context's last
-        tokens (prompt lookup, NgramDrafter) into the tree as a path from the root: along the
-        tree's own nodes where they spell it, then as new nodes. Each step of the path scores its
-        parent's score plus LOOKUP_LOG_PROBABILITY, or the head's own score where that is higher,
-        so the policy keeps the copied tokens as it keeps the head's, by expected gain."""
-        chain = self.lookup.propose(context, self.lookup_length).tokens.tolist()
-        child_of = {(parent, token): node for node, (parent, token) in enumerate(zip(parents, tokens))}
-        node, score, depth = -1, 0.0, 0
-        for token in chain:
-            score, depth = score + LOOKUP_LOG_PROBABILITY, depth + 1
-            if (node, token) in child_of:
-                node = child_of[(node, token)]
-                scores[node] = score = max(scores[node], score)
-                continue
-            tokens.append(token)
-            parents.append(node)
-            scores.append(score)
-            depths.append(depth)
-            node = child_of[(parents[-1], token)] = len(tokens) - 1
-
     def _grow_tree(self, context: torch.Tensor, num_nodes: int) -> Draft:
         # The bookkeeping is Python lists and one tensor per level for each of the head's
         # inputs: each PyTorch call costs a few microseconds, and a level's call count once cost
@@ -290,7 +260,7 @@ class EagleDrafter:
             draft_ids = torch.tensor([tokens[node] for node in frontier])
             outputs = self._run(features, draft_ids, positions, self.num_rows + placed, torch.tensor(mask))
         if self.lookup:
-            self._add_lookup(context, tokens, parents, scores, depths)
+            self.lookup.merge(context, tokens, parents, scores, depths)
         # The best nodes overall; a node's ancestors score at least as well, so they come first.
         order, kept_parents = best_nodes(parents, scores, depths, num_nodes)
         return Draft(

@@ -244,7 +244,7 @@ def _train_head(target_name: str, output: Path, data_settings: DataSettings, set
                                                min_path_probability=0.0, lookup=0)
     else:
         loss_fn = medusa_loss(head, embed.shape[0])
-        drafter_factory = lambda: MedusaDrafter(on_cpu(), target.model)  # noqa: E731
+        drafter_factory = lambda: MedusaDrafter(on_cpu(), target.model, lookup=0)  # noqa: E731  (the heads alone)
     checkpoint = output / f"checkpoint-{kind}.pt"
     state = load_checkpoint(checkpoint, head) if checkpoint.is_file() else TrainState()
 
