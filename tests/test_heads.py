@@ -13,6 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from draftwise import tree
 from draftwise.config import SamplingParams, SpecConfig
 from draftwise.draft_length import DraftLengthPolicy
 from draftwise.drafters import build_drafter
@@ -215,13 +216,6 @@ class RecordingEagle(EagleDrafter):
         return draft
 
 
-def node_depths(parents: list[int]) -> list[int]:
-    depths: list[int] = []
-    for parent in parents:
-        depths.append(1 if parent < 0 else depths[parent] + 1)
-    return depths
-
-
 @pytest.mark.parametrize("threshold", [0.0, 0.5, 0.9])
 def test_trees_grow_only_from_nodes_sure_enough(smollm2, plain_outputs, eagle_head, threshold):
     """min_path_probability: a node has children only where its path probability reaches the
@@ -235,7 +229,7 @@ def test_trees_grow_only_from_nodes_sure_enough(smollm2, plain_outputs, eagle_he
         assert all(scores[p] >= threshold * (1 - 1e-6) for p in parents if p >= 0)
     # Steps allowed the whole candidate tree (2 + 4 x 4 = 18 nodes: a level grows top_k children
     # of each of its top_k best nodes; near an output's end fewer are allowed).
-    depths = [max(node_depths(draft.parents.tolist()))
+    depths = [int(tree.depths(draft.parents).max())
               for draft, budget in zip(drafter.drafts, drafter.budgets) if budget >= 18]
     assert len(depths) > 20
     # Measured (AMX Xeon): tokens per forward 2.16 / 2.05 / 1.88, mean depth 5 / 2.6 / 1.8.

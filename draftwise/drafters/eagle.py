@@ -139,14 +139,12 @@ class EagleDrafter:
         if not 0.0 <= min_path_probability < 1.0:
             raise ConfigError(f"min_path_probability={min_path_probability} must be in [0, 1): the least path "
                               "probability of a node the tree grows from (0: every level's top_k).")
-        if lookup < 0:
-            raise ConfigError(f"lookup={lookup}: the most tokens copied by prompt lookup must be 0 (none) or more.")
         if draft_vocab is not None and draft_vocab < top_k:
             raise ConfigError(f"draft_vocab={draft_vocab} is below top_k={top_k}: a node needs top_k tokens to choose from.")
         self.head = compact_copy(head if draft_vocab is None else keep_vocabulary(head, draft_vocab))
         self.layer = compiled_layer(self.head)  # None: the head's PyTorch modules run it
-        wide = wide_activations() if self.layer is not None else None
-        self.wide_layer = compiled_layer(self.head, wide) if wide else None  # for more than WIDE_ROWS rows
+        self.wide = wide_activations() if self.layer is not None else None  # for more than WIDE_ROWS rows
+        self.wide_layer = compiled_layer(self.head, self.wide) if self.wide else None
         self.unit = torch.ones(head.config.hidden_size)  # fuse_features' weightless RMS scaling
         self.embed = target_model.model.embed_tokens  # the target's own embedding: [T] -> [T, hidden]
         self.hidden_layers = head.config.hidden_layers
@@ -154,7 +152,7 @@ class EagleDrafter:
         self.top_k = top_k
         self.depth = depth
         self.min_log_path = math.log(min_path_probability) if min_path_probability > 0 else float("-inf")
-        self.lookup = TreeLookup(lookup) if lookup > 0 else None
+        self.lookup = TreeLookup.optional(lookup)
 
     def begin(self, params: SamplingParams, generator: torch.Generator, max_length: int) -> None:
         c = self.head.config
@@ -218,12 +216,11 @@ class EagleDrafter:
         return self._linear(self.head.fuse, scaled.view(hidden.shape[0], -1))
 
     def _linear(self, linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """linear(x), on AMX tiles for more than WIDE_ROWS rows where wide_layer is (the head's
-        linears have no bias)."""
-        if self.wide_layer is None or x.shape[0] <= WIDE_ROWS:
+        """linear(x), with the wide activations for more than WIDE_ROWS rows where there are (the
+        head's linears have no bias)."""
+        if self.wide is None or x.shape[0] <= WIDE_ROWS:
             return linear(x)
-        weight = linear.weight
-        return weight.kernels.amx_linear(x.contiguous(), weight.data, int(weight.format), weight.num_columns)
+        return linear.weight.matmul(x, self.wide)
 
     def _logits(self, outputs: torch.Tensor) -> torch.Tensor:
         """head.logits: outputs [R, hidden] -> [R, draft vocab]."""

@@ -14,6 +14,7 @@ import math
 import torch
 
 from draftwise.drafters.ngram import NgramDrafter
+from draftwise.errors import ConfigError
 
 # The copied tokens' path probability per step, and the shortest match of the context's last
 # tokens that counts. Per step 0.4 / 0.6 / 0.8 / 0.9 gave EagleDrafter 1.59x / 1.77x / 1.81-1.87x
@@ -30,6 +31,13 @@ class TreeLookup:
     def __init__(self, length: int) -> None:
         self.ngram = NgramDrafter(min_n=LOOKUP_MIN_N)
         self.length = length
+
+    @classmethod
+    def optional(cls, length: int) -> "TreeLookup | None":
+        """A drafter's `lookup` argument: a TreeLookup of that length, None for 0; negative refused."""
+        if length < 0:
+            raise ConfigError(f"lookup={length}: the most tokens copied by prompt lookup must be 0 (none) or more.")
+        return cls(length) if length > 0 else None
 
     def merge(self, context: torch.Tensor, tokens: list[int], parents: list[int], scores: list[float],
               depths: list[int]) -> None:

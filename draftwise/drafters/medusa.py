@@ -9,23 +9,20 @@ prompt lookup copies joins the tree as one more path from its root (`lookup`, as
 Tokens are fixed guesses (point masses), verified losslessly in both greedy and sampling modes.
 
 The heads draft from one row, so their cost is the bytes of their matrices: they run from Q8_0
-copies (eagle.compact_copy), and all heads' inputs meet the shared LM head in one product.
+copies (eagle.compact_copy), and all heads' inputs meet the shared LM head in one product
+(MedusaHeads.forward).
 """
 
 from __future__ import annotations
 
 import torch
 
-import torch.nn.functional as F
-
 from draftwise.config import SamplingParams
 from draftwise.drafters.base import Draft, empty_draft
 from draftwise.drafters.eagle import compact_copy
 from draftwise.drafters.lookup import TreeLookup
-from draftwise.errors import ConfigError
 from draftwise.heads import check_target
 from draftwise.heads.medusa import MedusaHeads
-from draftwise.models import ops
 from draftwise.tree import best_nodes
 
 
@@ -36,14 +33,12 @@ class MedusaDrafter:
         """top_k: candidates per head; beam: the most nodes kept per depth; lookup: up to this many
         tokens copied by prompt lookup join the tree as a path from its root (0: none)."""
         check_target(heads.config, target_model)
-        if lookup < 0:
-            raise ConfigError(f"lookup={lookup}: the most tokens copied by prompt lookup must be 0 (none) or more.")
         self.heads = compact_copy(heads)
         self.to_target = heads.draft_to_target.tolist()  # draft-vocabulary id -> target id
         self.hidden_layers = heads.config.hidden_layers
         self.top_k = top_k
         self.beam = beam
-        self.lookup = TreeLookup(lookup) if lookup > 0 else None
+        self.lookup = TreeLookup.optional(lookup)
 
     def begin(self, params: SamplingParams, generator: torch.Generator, max_length: int) -> None:
         self.last_hidden: torch.Tensor | None = None
@@ -58,7 +53,7 @@ class MedusaDrafter:
     def propose(self, context: torch.Tensor, num_draft_tokens: int) -> Draft:
         if num_draft_tokens == 0 or self.last_hidden is None:
             return empty_draft()
-        logprobs = torch.log_softmax(self._logits(self.last_hidden), dim=-1)  # [heads, draft vocab]
+        logprobs = torch.log_softmax(self.heads(self.last_hidden[None])[:, 0], dim=-1)  # [heads, draft vocab]
         best = logprobs.topk(self.top_k, dim=-1)
         candidates = list(zip(best.values.tolist(), best.indices.tolist()))  # per head: (values, ids)
         tokens: list[int] = []
@@ -87,12 +82,3 @@ class MedusaDrafter:
             parents=torch.tensor(kept_parents),
             scores=torch.tensor([scores[node] for node in order]).exp(),
         )
-
-
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """MedusaHeads.forward for one row: hidden [hidden] -> [num_heads, draft vocab], every
-        head's input through the LM head in one product (its weights read once, not per head)."""
-        heads = self.heads
-        h = ops.rms_norm(hidden.float()[None], heads.norm.weight, heads.norm.eps)  # [1, hidden]
-        inputs = torch.cat([h + F.silu(block(h)) for block in heads.blocks])  # [num_heads, hidden]
-        return heads.lm_head(inputs)

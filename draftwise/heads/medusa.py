@@ -67,9 +67,11 @@ class MedusaHeads(nn.Module):
         self.register_buffer("draft_to_target", torch.arange(config.draft_vocab_size))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., hidden] -> logits [num_heads, ..., draft vocab]."""
+        """hidden [..., hidden] -> logits [num_heads, ..., draft vocab]. Every head's input goes
+        through the shared LM head in one product (its weights read once, not once per head)."""
         hidden = self.norm(hidden.float())
-        return torch.stack([self.lm_head(hidden + F.silu(block(hidden))) for block in self.blocks])
+        inputs = torch.stack([hidden + F.silu(block(hidden)) for block in self.blocks])  # [num_heads, ..., hidden]
+        return self.lm_head(inputs.flatten(0, -2)).view(*inputs.shape[:-1], -1)
 
     def save(self, folder: str | Path) -> Path:
         return save_head(self, folder)

@@ -112,10 +112,12 @@ class BlockWeight(nn.Module):
             return F.embedding(ids, self.dense)
         return self.kernels.dequantize_rows(self.data, int(self.format), self.num_columns, ids)
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:  # x [T, num_columns] float32 -> [T, num_rows]
+    def matmul(self, x: torch.Tensor, activations: str | None = None) -> torch.Tensor:
+        """x [T, num_columns] float32 -> [T, num_rows]; activations: this call's rounding of x
+        instead of the weight's own setting (a drafter's choice by row count; None: its own)."""
         if self.kernels is None:
             return F.linear(x, self.dense)
-        product = getattr(self.kernels, PRODUCTS[self.activations])
+        product = getattr(self.kernels, PRODUCTS[activations or self.activations])
         return product(x.contiguous(), self.data, int(self.format), self.num_columns)
 
     def extra_repr(self) -> str:
