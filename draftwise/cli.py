@@ -273,6 +273,12 @@ def _add_train(subparsers) -> None:
                      help=f"questions the target writes itself (default: {data.num_questions})")
     cmd.add_argument("--prompts", type=Path, help="JSONL of your own prompts ({\"prompt\": ...} or {\"messages\": [...]}) "
                                                   "instead of self-written questions")
+    cmd.add_argument("--system-prompts", type=float, default=data.system_prompts, metavar="FRACTION",
+                     help="the fraction of questions written under a system prompt the target writes itself "
+                          f"(default: {data.system_prompts})")
+    cmd.add_argument("--follow-ups", type=float, default=data.follow_ups, metavar="FRACTION",
+                     help="the fraction of answered chats that get a follow-up question the target writes, and its "
+                          f"answer: multi-turn chats (default: {data.follow_ups})")
     cmd.add_argument("--max-response-tokens", type=int, default=data.max_response_tokens)
     cmd.add_argument("--heldout", type=int, default=data.num_heldout,
                      help=f"questions kept apart to measure acceptance while training (default: {data.num_heldout})")
@@ -317,7 +323,7 @@ def _train(args) -> int:
         torch_threads(args.threads)
     data = DataSettings(num_questions=args.questions, prompts_file=args.prompts, num_heldout=args.heldout,
                         max_response_tokens=args.max_response_tokens, draft_vocab_size=args.draft_vocab, seed=args.seed,
-                        batch_size=args.batch_size)
+                        batch_size=args.batch_size, system_prompts=args.system_prompts, follow_ups=args.follow_ups)
     per_forward = args.sequences_per_forward  # None: all of a step's sequences at once, a GPU's way
     if per_forward is None and not args.device.startswith("cuda"):
         per_forward = 1  # on the CPU batching did not train faster

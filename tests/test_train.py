@@ -3,6 +3,7 @@ states from the real SmolLM2, a head trained, checkpointed, resumed and loaded b
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -31,7 +32,7 @@ def trained(tmp_path_factory):
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     common = ["--target", "smollm2-135m", "--out", str(folder / "out"), "--prompts", str(prompts),
               "--max-response-tokens", "24", "--draft-vocab", "512", "--heldout", "2", "--quiet",
-              "--head-intermediate-size", "256"]
+              "--head-intermediate-size", "256", "--follow-ups", "0.5"]
     assert main(["train", *common, "--epochs", "1"]) == 0
     first = json.loads((folder / "out" / "eagle" / "head.json").read_text())["training"]
     # Rerunning with more epochs resumes from the checkpoint instead of starting over.
@@ -41,16 +42,48 @@ def trained(tmp_path_factory):
     return folder / "out", first, second
 
 
-def test_training_writes_a_head_with_its_record_and_resumes(trained):
+def test_training_writes_a_head_with_its_record_and_resumes(trained, smollm2_tokenizer):
     out, first, second = trained
     assert (out / "data.pt").is_file() and (out / "checkpoint-eagle.pt").is_file()
     assert second["steps"] > first["steps"] > 0
     assert second["curve"][: len(first["curve"])] == first["curve"]  # the first run's points were kept
     assert all(point["mean_accepted_length"] >= 1.0 for point in second["curve"])
-    assert second["conversations"] == len(PROMPTS) - 2  # two held out to measure acceptance
+    # Two held out to measure acceptance; half of the other ten answered, followed up and answered again.
+    assert second["conversations"] == len(PROMPTS) - 2 + 5
+    opening = smollm2_tokenizer.encode("<|im_start|>user", add_special_tokens=False)  # a user turn's first tokens
+    user_turns = [sum(e.tokens[i: i + len(opening)].tolist() == opening for i in range(e.num_prompt_tokens))
+                  for e in torch.load(out / "data.pt", weights_only=False)["examples"]]
+    assert sorted(user_turns) == [1] * 10 + [2] * 5
     head = json.loads((out / "eagle" / "head.json").read_text())
     assert head["intermediate_size"] == 256  # --head-intermediate-size, not SmolLM2's own 1536
     assert second["learning_rate"] == 1e-3  # the default for a 576-wide head
+
+
+def test_magpie_writes_system_prompts_questions_under_them_and_follow_ups(hf_smollm2, smollm2_tokenizer):
+    from draftwise.train.data import write_follow_ups, write_questions, write_system_prompts
+
+    tokenizer = copy.deepcopy(smollm2_tokenizer)  # the session's own keeps its padding side
+    tokenizer.padding_side = "left"  # as make_data sets it for generation
+    systems = write_system_prompts(hf_smollm2, tokenizer, 2, batch_size=4, seed=0, progress=False)
+    assert len(systems) == 2 and all(system.startswith("You are") for system in systems)
+    assert systems[0] != systems[1]  # distinct: the model keeps writing until each is new
+    chats = write_questions(hf_smollm2, tokenizer, 3, batch_size=4, seed=0, progress=False, systems=systems[:1])
+    assert [[m["role"] for m in chat] for chat in chats] == [["system", "user"], ["user"], ["user"]]
+    assert chats[0][0]["content"] == systems[0] and len({chat[-1]["content"] for chat in chats}) == 3
+    follow_ups = write_follow_ups(hf_smollm2, tokenizer, chats[1:], ["Paris.", "Blue."], batch_size=4, seed=0,
+                                  progress=False)
+    assert [[m["role"] for m in chat] for chat in follow_ups] == [["user", "assistant", "user"]] * 2
+    assert [chat[1]["content"] for chat in follow_ups] == ["Paris.", "Blue."]  # the answer each follows
+    assert all(len(chat[2]["content"]) >= 12 for chat in follow_ups)
+
+
+def test_fractions_of_conversations_outside_zero_to_one_are_refused():
+    from draftwise.train.pipeline import DataSettings
+
+    with pytest.raises(ConfigError, match="follow_ups=1.5"):
+        DataSettings(follow_ups=1.5)
+    with pytest.raises(ConfigError, match="system_prompts=-0.1"):
+        DataSettings(system_prompts=-0.1)
 
 
 def test_the_default_learning_rate_is_lower_for_wide_heads():

@@ -11,6 +11,7 @@ loads. Rerunning the same command resumes where it stopped.
 
 from __future__ import annotations
 
+import random
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -38,6 +39,8 @@ class DataSettings:
     draft_vocab_size: int = 8192
     batch_size: int = 128  # conversations generated at once
     seed: int = 0
+    system_prompts: float = 0.0  # the fraction of questions written under a system prompt the target wrote
+    follow_ups: float = 0.0  # the fraction of answered chats that get a follow-up question, answered too
 
     def __post_init__(self) -> None:
         if self.num_heldout < 1:
@@ -46,6 +49,9 @@ class DataSettings:
             raise ConfigError(f"num_questions={self.num_questions} is too few: use at least {self.num_heldout + 8}.")
         if self.batch_size < 1:
             raise ConfigError(f"batch_size={self.batch_size} must be at least 1.")
+        for name in ("system_prompts", "follow_ups"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ConfigError(f"{name}={getattr(self, name)} is a fraction of the conversations: use 0 to 1.")
         if self.draft_vocab_size < 16:
             raise ConfigError(f"draft_vocab_size={self.draft_vocab_size} is too small: use 16 or more (e.g. 8192).")
 
@@ -89,10 +95,13 @@ def make_data(target, data_settings: DataSettings, layers: tuple[int, ...], prog
     if data_settings.prompts_file is not None:
         chats = datagen.read_prompts(data_settings.prompts_file)
     else:
-        questions = datagen.write_questions(generator_model, tokenizer, data_settings.num_questions,
-                                            min(data_settings.batch_size, data_settings.num_questions),
-                                            data_settings.seed, progress=progress)
-        chats = [[{"role": "user", "content": question}] for question in questions]
+        batch_size = min(data_settings.batch_size, data_settings.num_questions)
+        systems = datagen.write_system_prompts(generator_model, tokenizer,
+                                               round(data_settings.system_prompts * data_settings.num_questions),
+                                               batch_size, data_settings.seed + 1, progress=progress)
+        chats = datagen.write_questions(generator_model, tokenizer, data_settings.num_questions, batch_size,
+                                        data_settings.seed, progress=progress, systems=systems)
+        random.Random(data_settings.seed).shuffle(chats)  # held-out and follow-up picks from both kinds
     chats, dropped = datagen.drop_bench_prompts(chats, _bench_texts())
     timings["questions_s"] = time.perf_counter() - started
     if len(chats) <= data_settings.num_heldout:
@@ -103,6 +112,26 @@ def make_data(target, data_settings: DataSettings, layers: tuple[int, ...], prog
     conversations = datagen.answer(generator_model, tokenizer, chats, data_settings.max_response_tokens,
                                    data_settings.batch_size, progress=progress)
     timings["answers_s"] = time.perf_counter() - tic
+    if data_settings.follow_ups > 0:
+        tic = time.perf_counter()
+        # Finished answers first (a follow-up to an answer cut at the length limit reads oddly).
+        rng = random.Random(data_settings.seed)
+        finished = [index for index, conversation in enumerate(conversations) if conversation.finished]
+        unfinished = [index for index, conversation in enumerate(conversations) if not conversation.finished]
+        rng.shuffle(finished)
+        rng.shuffle(unfinished)
+        picked = sorted((finished + unfinished)[: round(data_settings.follow_ups * len(chats))])
+        answers = [tokenizer.decode(conversations[index].response_ids, skip_special_tokens=True).strip()
+                   for index in picked]
+        follow_ups = datagen.write_follow_ups(generator_model, tokenizer, [chats[index] for index in picked], answers,
+                                              data_settings.batch_size, data_settings.seed + 2, progress=progress)
+        follow_ups, dropped_too = datagen.drop_bench_prompts(follow_ups, _bench_texts())
+        dropped += dropped_too
+        conversations += datagen.answer(generator_model, tokenizer, follow_ups, data_settings.max_response_tokens,
+                                        data_settings.batch_size, progress=progress)
+        timings["follow_ups_s"] = time.perf_counter() - tic
+    # Recorded in order of length: batches pad less.
+    conversations.sort(key=lambda conversation: len(conversation.prompt_ids) + len(conversation.response_ids))
     del generator_model
     tic = time.perf_counter()
     scoring_model = AutoModelForCausalLM.from_pretrained(target.folder, dtype=torch.float32).to(device).eval()
