@@ -268,6 +268,50 @@ def test_attention_over_a_bfloat16_cache_is_the_float32_arithmetic_on_its_values
         kernels.attention(queries, keys, values.float(), start, causal, head_dim ** -0.5)
 
 
+# SmolLM2's groups of 3 heads (one tile of 16 queries for up to 5 positions), Qwen2.5-1.5B's 6 over
+# head_dim 128 (4 steps of 32 dimensions), Qwen2.5-0.5B's 7 (56 queries: 4 tiles of them)
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (12, 2, 128), (14, 2, 64)])
+def test_attention_scores_on_amx_tiles_are_close_and_the_same_bits_for_a_row_alone(kernels, heads, kv_heads, head_dim):
+    # amx_scores: a bfloat16 cache's scores on AMX tiles, the queries rounded to bfloat16 (the
+    # default where the linears run there too). Not the float32 scores' bits, but each (query,
+    # key) score is its own tile element, so a row alone, in a tree, or over any threads gets
+    # the same bits. The cache holds exactly the filled slots: the last block of 16 keys is
+    # partial and no slot past it may be read.
+    torch.manual_seed(5)
+    start, num_new, scale = 37, 9, head_dim ** -0.5
+    keys = torch.randn(kv_heads, start + num_new, head_dim).bfloat16()
+    values = torch.randn(kv_heads, start + num_new, head_dim).bfloat16()
+    queries = torch.randn(num_new, heads, head_dim)
+    causal = torch.empty(0, dtype=torch.bool)
+    exact = kernels.attention(queries, keys, values, start, causal, scale)
+    got = kernels.attention(queries, keys, values, start, causal, scale, True)
+    if kernels.amx_scores_enabled():
+        assert not torch.equal(got, exact) and (got - exact).abs().max() < 5e-3
+    else:  # no AMX here: the request changes nothing
+        assert torch.equal(got, exact)
+    alone = torch.cat([kernels.attention(queries[i:i + 1], keys, values, start + i, causal, scale, True)
+                       for i in range(num_new)])
+    assert torch.equal(got, alone)
+    tree = torch.eye(num_new, dtype=torch.bool)  # node 3 hangs off node 0, as in the float32 test above
+    tree[:, 0] = True
+    out_tree = kernels.attention(queries, keys, values, start, tree, scale, True)
+    moved_keys, moved_values = keys.clone(), values.clone()
+    moved_keys[:, start + 1], moved_values[:, start + 1] = keys[:, start + 3], values[:, start + 3]
+    assert torch.equal(out_tree[3:4], kernels.attention(queries[3:4], moved_keys, moved_values, start + 1, causal,
+                                                        scale, True))
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 3):
+            torch.set_num_threads(count)
+            assert torch.equal(kernels.attention(queries, keys, values, start, causal, scale, True), got)
+            assert torch.equal(kernels.attention(queries, keys, values, start, tree, scale, True), out_tree)
+    finally:
+        torch.set_num_threads(threads)
+    # A float32 cache has no bfloat16 keys to put in tiles: the flag changes nothing there.
+    assert torch.equal(kernels.attention(queries, keys.float(), values.float(), start, causal, scale, True),
+                       kernels.attention(queries, keys.float(), values.float(), start, causal, scale))
+
+
 @pytest.mark.parametrize("num_new", range(1, 10))
 def test_attention_bits_do_not_depend_on_how_threads_share_the_positions(kernels, num_new):
     # SmolLM2's 3 key/value heads over 2 threads: 2-8 positions go in more chunks than over 1

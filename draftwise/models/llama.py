@@ -119,12 +119,14 @@ class Attention(nn.Module):
         q = ops.rotary(q, cos, sin)
         k = ops.rotary(k, cos, sin)
         outputs = []
+        # Scores on AMX tiles where the projections run there too (kernels/decoder.cpp's rule).
+        amx_scores = getattr(self.q_proj.weight, "activations", None) == "amx"
         for span in spans:
             rows = slice(span.first_row, span.first_row + span.num_rows)
             cache = span.segment.cache
             cache.write(layer, span.start, k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None])
             outputs.append(ops.attention(q[rows], cache.keys[layer, 0], cache.values[layer, 0], span.start,
-                                         span.segment.attn_mask))  # [T, heads, head_dim]
+                                         span.segment.attn_mask, amx_scores))  # [T, heads, head_dim]
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
         return self.o_proj(out.reshape(num_tokens, -1))
 

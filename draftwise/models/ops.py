@@ -41,17 +41,18 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
-              tree_mask: torch.Tensor | None) -> torch.Tensor:
+              tree_mask: torch.Tensor | None, amx_scores: bool = False) -> torch.Tensor:
     """queries [T, heads, head_dim] of T new tokens whose keys/values are already in the cache at
     slots start..start+T-1; keys / values [kv_heads, capacity, head_dim], the cache's buffers;
     tree_mask [T, T] bool among the new tokens (None: causal), or [T, W] over the last W slots
     (W - T slots before the new ones, e.g. a drafter's earlier tree levels; every slot before
-    those is seen). -> [T, heads, head_dim]."""
+    those is seen). amx_scores: over a bfloat16 cache, the scores on AMX tiles with the queries
+    rounded to bfloat16 (where the CPU has them; the kernels' rowwise.cpp). -> [T, heads, head_dim]."""
     num_tokens, _, head_dim = queries.shape
     kernels = native_kernels(progress=False)
     if kernels is not None and head_dim % 16 == 0:
         mask = torch.empty(0, dtype=torch.bool) if tree_mask is None else tree_mask.contiguous()
-        return kernels.attention(queries.contiguous(), keys, values, start, mask, head_dim ** -0.5)
+        return kernels.attention(queries.contiguous(), keys, values, start, mask, head_dim ** -0.5, amx_scores)
     end = start + num_tokens
     mask = None
     if num_tokens > 1 or tree_mask is not None:

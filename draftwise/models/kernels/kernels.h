@@ -39,7 +39,7 @@ at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up);
 void rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 // Attention of new queries over a cache; see rowwise.cpp.
 at::Tensor attention(const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values,
-                        int64_t start, const at::Tensor& mask, double scale);
+                        int64_t start, const at::Tensor& mask, double scale, bool amx_scores = false);
 // One sequence's share of a batched forward's attention: its T new queries [T, H, D] (their keys
 // and values already at cache slots start..start+T-1), its cache's keys and values [H_kv,
 // capacity, D] (rows contiguous; k_stride / v_stride elements from one head to the next), float32
@@ -57,9 +57,17 @@ struct AttentionSpan {
   // The mask's columns: the span's last mask_width slots (its T new rows and the mask_width - T
   // slots before them; 0: T). Every query sees the slots before those.
   int64_t mask_width = 0;
+  // A bfloat16 cache's scores on AMX tiles, the queries rounded to bfloat16 (the model's linears
+  // run on AMX tiles too): see rowwise.cpp's amx_scores. Ignored for a float32 cache or without AMX.
+  bool amx_scores = false;
 };
 // attention() for every span at once, in one parallel region: each query's arithmetic is
 // attention()'s, so the bits are the same.
 void attention_spans(const std::vector<AttentionSpan>& spans, int64_t H, int64_t H_kv, int64_t D, double scale);
+// Whether attention over a bfloat16 cache computes its scores on AMX tiles where asked
+// (AttentionSpan.amx_scores): this build and CPU have AMX and use_amx_scores(false) was not
+// called (benchmarks/attention_scores.py compares both in one process).
+bool amx_scores_enabled();
+void use_amx_scores(bool on);
 
 }  // namespace draftwise

@@ -16,7 +16,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &draftwise::rms_norm, "RMSNorm, row by row");
   m.def("silu_mul", &draftwise::silu_mul, "silu(gate) * up");
   m.def("rotary", &draftwise::rotary, "rotary position embedding of x [T, H, D], in place");
-  m.def("attention", &draftwise::attention, "attention of new queries over the KV cache (chain or tree mask)");
+  m.def("attention", &draftwise::attention, "attention of new queries over the KV cache (chain or tree mask)",
+        pybind11::arg("queries"), pybind11::arg("keys"), pybind11::arg("values"), pybind11::arg("start"),
+        pybind11::arg("mask"), pybind11::arg("scale"), pybind11::arg("amx_scores") = false);
+  m.def("use_amx_scores", &draftwise::use_amx_scores, "attention scores on AMX tiles (where asked and available) or not");
+  m.def("amx_scores_enabled", &draftwise::amx_scores_enabled, "whether attention may compute scores on AMX tiles");
   pybind11::class_<draftwise::Decoder>(m, "Decoder", "a decoder's layers run in one call (see decoder.h)")
       .def(pybind11::init<int64_t, int64_t, int64_t, double>())
       .def("add_layer", &draftwise::Decoder::add_layer)

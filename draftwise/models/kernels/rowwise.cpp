@@ -6,13 +6,118 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <type_traits>
 #include <vector>
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <immintrin.h>
+#define DRAFTWISE_AMX_SCORES 1
+#endif
+
 namespace draftwise {
 namespace {
+
+std::atomic<bool> amx_scores_allowed{true};  // use_amx_scores(): off compares with float32 scores
+
+#if defined(DRAFTWISE_AMX_SCORES)
+struct ScoreTiles {  // ldtilecfg's 64-byte layout
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// The raw scores (before the scale) of an item's queries with the cache's keys at slots
+// 0 .. end - 1, on AMX tiles: out[query * row + slot] = the tile's sum of bf16(query) x key
+// (a bfloat16 cache's keys, as stored), 32 dimensions a step in order from zero. Each element is
+// the hardware's per-element sum of its key row and its query column, whatever else the tiles
+// hold (amx_linear.cpp relies on the same property, measured), so a query's score for a key is
+// the same bits whatever other queries and keys share the forward. queries[q]: q's D floats;
+// out has room for a multiple of 16 query rows and 16 slots past end.
+void amx_scores(const float* const* queries, int64_t num_queries, const uint16_t* K, int64_t end, int64_t total,
+                int64_t D, float* out, int64_t row) {
+  ScoreTiles config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = 16;
+    config.bytes_per_row[t] = 64;
+  }
+  _tile_loadconfig(&config);
+  const int64_t steps = D / 32, groups = (num_queries + 15) / 16;
+  // B tiles: per group of 16 queries and step, row r holds each query's bfloat16 pair 2r, 2r + 1
+  // of the step's 32 dimensions (zeros for missing queries).
+  static thread_local std::vector<uint32_t> b;
+  static thread_local std::vector<uint16_t> rounded;
+  static thread_local std::vector<uint16_t> tail;
+  static thread_local std::vector<float> c;
+  b.assign(groups * steps * 256, 0u);
+  rounded.resize(D);
+  tail.resize(16 * D);
+  c.resize(4 * 256);
+  for (int64_t q = 0; q < num_queries; ++q) {
+    round_to_bf16(queries[q], rounded.data(), D);
+    const int64_t g = q / 16, column = q % 16;
+    for (int64_t step = 0; step < steps; ++step)
+      for (int64_t r = 0; r < 16; ++r) {
+        uint32_t pair;
+        std::memcpy(&pair, rounded.data() + step * 32 + 2 * r, 4);
+        b[(g * steps + step) * 256 + r * 16 + column] = pair;
+      }
+  }
+  for (int64_t j0 = 0; j0 < end; j0 += 16) {
+    const uint16_t* keys = K + j0 * D;
+    // The hardware prefetchers do not follow a tile's rows (amx_linear.cpp's pair_products): ask
+    // for the keys two blocks ahead (a forward's cache is read from memory, not from L2).
+    if (j0 + 48 <= total)
+      for (int64_t line = 0; line < 16 * D * 2; line += 64) __builtin_prefetch(reinterpret_cast<const char*>(keys + 32 * D) + line);
+    if (j0 + 16 > total) {  // the last rows of the cache's filled part: read no slot past it
+      std::fill(tail.begin(), tail.end(), uint16_t(0));
+      std::memcpy(tail.data(), keys, (total - j0) * D * sizeof(uint16_t));
+      keys = tail.data();
+    }
+    for (int64_t g0 = 0; g0 < groups; g0 += 4) {
+      const int64_t n = std::min<int64_t>(4, groups - g0);
+      _tile_zero(4);
+      if (n > 1) _tile_zero(5);
+      if (n > 2) _tile_zero(6);
+      if (n > 3) _tile_zero(7);
+      for (int64_t step = 0; step < steps; ++step) {
+        _tile_loadd(0, keys + step * 32, D * 2);
+        const uint32_t* bs = b.data() + step * 256;
+        _tile_loadd(1, bs + g0 * steps * 256, 64);
+        _tile_dpbf16ps(4, 0, 1);
+        if (n > 1) {
+          _tile_loadd(2, bs + (g0 + 1) * steps * 256, 64);
+          _tile_dpbf16ps(5, 0, 2);
+        }
+        if (n > 2) {
+          _tile_loadd(3, bs + (g0 + 2) * steps * 256, 64);
+          _tile_dpbf16ps(6, 0, 3);
+        }
+        if (n > 3) {
+          _tile_loadd(1, bs + (g0 + 3) * steps * 256, 64);
+          _tile_dpbf16ps(7, 0, 1);
+        }
+      }
+      _tile_stored(4, c.data(), 64);
+      if (n > 1) _tile_stored(5, c.data() + 256, 64);
+      if (n > 2) _tile_stored(6, c.data() + 512, 64);
+      if (n > 3) _tile_stored(7, c.data() + 768, 64);
+      // c[group][key][query] -> out[query * row + j0 + key]
+      for (int64_t g = 0; g < n; ++g)
+        for (int64_t column = 0; column < 16 && (g0 + g) * 16 + column < num_queries; ++column) {
+          float* o = out + ((g0 + g) * 16 + column) * row + j0;
+          for (int64_t key = 0; key < 16; ++key) o[key] = c[g * 256 + key * 16 + column];
+        }
+    }
+  }
+  // No _tile_release here: the decoder's next linear loads its own configuration (amx_linear
+  // releases at the end of its parallel region); releasing and reloading per work item cost a
+  // 1-row forward more than the tiles saved.
+}
+#endif
 
 // Sum of x[0..n) in a fixed order for a given n: 16 lanes, then the horizontal sum, then the tail.
 inline float ordered_sum_of_squares(const float* x, int64_t n) {
@@ -306,9 +411,11 @@ void attend(const AttentionSpan& span, int64_t chunks, int64_t item, int64_t H, 
   const int64_t end = causal ? start + t0 + nt : total;  // no query here sees past slot end - 1
   const int64_t row = end + 16, num_queries = group * nt;
   std::vector<float>& buffer = scratch();
-  if (int64_t(buffer.size()) < num_queries * (row + D + 1)) buffer.resize(num_queries * (row + D + 1));
+  const int64_t score_rows = (num_queries + 15) / 16 * 16;  // amx_scores writes whole groups of 16
+  if (int64_t(buffer.size()) < score_rows * row + num_queries * (D + 1))
+    buffer.resize(score_rows * row + num_queries * (D + 1));
   float* scores = buffer.data();                      // [query][row], query = head in group * nt + i
-  float* acc = buffer.data() + num_queries * row;     // [query][D]
+  float* acc = buffer.data() + score_rows * row;      // [query][D]
   float* sums = acc + num_queries * D;                // [query]: each softmax's total weight
   static thread_local std::vector<int32_t> key_buffer;
   if (int64_t(key_buffer.size()) < QUERIES * row) key_buffer.resize(QUERIES * row);
@@ -340,7 +447,30 @@ void attend(const AttentionSpan& span, int64_t chunks, int64_t item, int64_t H, 
   const int64_t head_chunks = (group + 3) / 4;
   static thread_local std::vector<int64_t> cursors;
   cursors.assign(head_chunks * QUERIES, 0);
-  for (int64_t j1 = TILE; j1 < end + TILE; j1 += TILE) {
+#if defined(DRAFTWISE_AMX_SCORES)
+  if constexpr (std::is_same_v<E, uint16_t>) {
+    if (span.amx_scores) {
+      // Every query's score with every slot before `end`, by slot; then each query's row is
+      // compacted to the keys it sees (its list is ascending, so keys_of[c] >= c: in place).
+      static thread_local std::vector<const float*> query_rows;
+      query_rows.resize(num_queries);
+      for (int64_t hh = 0; hh < group; ++hh)
+        for (int64_t i = 0; i < nt; ++i) query_rows[hh * nt + i] = span.queries + ((t0 + i) * H + g * group + hh) * D;
+      amx_scores(query_rows.data(), num_queries, K, end, total, D, scores, row);
+      for (int64_t hh = 0; hh < group; ++hh)
+        for (int64_t i = 0; i < nt; ++i) {
+          float* s = scores + (hh * nt + i) * row;
+          const int32_t* keys_i = keys_of + i * row;
+          for (int64_t c = causal ? count[i] : mask_first; c < count[i]; ++c) s[c] = s[keys_i[c]];
+        }
+      std::fill(cursors.begin(), cursors.end(), int64_t(0));
+    }
+  }
+  const bool amx = span.amx_scores && std::is_same_v<E, uint16_t>;
+#else
+  const bool amx = false;
+#endif
+  for (int64_t j1 = TILE; j1 < (amx ? 0 : end + TILE); j1 += TILE) {
     const int64_t tile_start = j1 - TILE;
     widen_tile(K, tile_start, std::min(j1 + 3, total));  // + 3: a dot4 run may cross
     for (int64_t chunk = 0; chunk < head_chunks; ++chunk) {
@@ -469,9 +599,11 @@ double attention_cost(const AttentionSpan& span, int64_t chunks, int64_t item) {
 // compact row; the softmax and the weighted sum of values run over that row. A masked-out key
 // is skipped, not added as zero weight, so a token of a tree or a draft gets the arithmetic it
 // gets when decoded alone. Four adjacent keys share one reduction tree (dot4, bit-identical to
-// four dot() calls) and a query's weighted sum of values stays in registers.
+// four dot() calls) and a query's weighted sum of values stays in registers. amx_scores (a
+// bfloat16 cache, where the CPU has AMX tiles and use_amx_scores did not turn them off): the
+// scores come from amx_scores instead, each its own tile element, so the same holds.
 at::Tensor attention(const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values,
-                        int64_t start, const at::Tensor& mask, double scale) {
+                        int64_t start, const at::Tensor& mask, double scale, bool amx_scores) {
   TORCH_CHECK(queries.dim() == 3 && queries.scalar_type() == at::kFloat && queries.is_contiguous(),
               "attention: queries must be contiguous float32 [T, H, D]");
   const bool bf16 = keys.scalar_type() == at::kBFloat16;
@@ -490,10 +622,15 @@ at::Tensor attention(const at::Tensor& queries, const at::Tensor& keys, const at
   auto out = at::empty_like(queries);
   attention_spans({AttentionSpan{queries.data_ptr<float>(), keys.data_ptr(), values.data_ptr(), bf16,
                                  keys.stride(0), values.stride(0), causal ? nullptr : mask.data_ptr<bool>(),
-                                 out.data_ptr<float>(), T, start, causal ? 0 : mask.size(1)}},
+                                 out.data_ptr<float>(), T, start, causal ? 0 : mask.size(1),
+                                 amx_scores && bf16 && amx_scores_enabled()}},
                   H, H_kv, D, scale);
   return out;
 }
+
+bool amx_scores_enabled() { return amx_scores_allowed.load(std::memory_order_relaxed) && amx_in_hardware(); }
+
+void use_amx_scores(bool on) { amx_scores_allowed.store(on, std::memory_order_relaxed); }
 
 void attention_spans(const std::vector<AttentionSpan>& spans, int64_t H, int64_t H_kv, int64_t D, double scale) {
   // Every span's work items, dealt to the threads by cost (largest first, each to the least
