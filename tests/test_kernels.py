@@ -176,7 +176,7 @@ def test_int8_rows_on_32_weight_blocks_are_the_same_bits_in_registers_and_unpack
     torch.manual_seed(2)
     x = torch.randn(34, num_columns)
     unpacked = kernels.int8_linear(x, data, int(format), num_columns)  # 34 rows: the unpacked path
-    for group in (1, 2, 7, 8, 9, 16):
+    for group in (1, 2, 3, 4, 7, 8, 9, 16):  # up to 4: two weight rows at a time (block32_decode_pair)
         in_registers = torch.cat([kernels.int8_linear(x[i:i + group], data, int(format), num_columns)
                                   for i in range(0, 34, group)])
         assert torch.equal(in_registers, unpacked), f"{group} rows at a time differ from the unpacked rows"

@@ -527,6 +527,78 @@ inline void block32_decode(const int8_t* q, const float* x_scale, const float* x
     y[i * N] = horizontal_sum(acc[i]) + coefficient_sum(coef, x_sum + i * (Kp / 16), Kp / 16);
 }
 
+// The two blocks' scales of a 64-column chunk in the int32 lanes they scale: [d0 x 8, d1 x 8]
+// (d1 = 0 past the row's last block), converted in one instruction (exact, as half_to_float).
+inline v16 pair_scales(const uint8_t* first, const uint8_t* second) {
+  uint16_t h0, h1 = 0;
+  std::memcpy(&h0, first, 2);
+  if (second != nullptr) std::memcpy(&h1, second, 2);
+  const __m512 scales = _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi16(int16_t(h0))),
+                                                                 _mm_set1_epi16(int16_t(h1)), 1));
+  v16 out;
+  std::memcpy(&out, &scales, sizeof out);
+  return out;
+}
+
+// block32_decode for two weight rows at once (up to 8 rows of x: each chunk of x is loaded once
+// for both, and the two rows' sums are independent chains), the scales converted two blocks an
+// instruction. Each output is block32_decode's arithmetic, operation for operation, so the bits
+// are the same (tests/test_kernels.py: 1-16 rows at a time against the unpacked path). SmolLM2 with
+// --activations int8 (benchmarks/forward_cost.py, AMX Xeon, 2 threads, 2026-11-26): forwards of
+// 1 / 2 / 4 / 9 / 16 tokens 10 / 18 / 25 / 36 / 39 -> 10 / 12 / 16 / 28 / 38 ms.
+template <int64_t FORMAT, int NUM_X>
+inline void block32_decode_pair(const int8_t* q, const float* x_scale, const float* x_sum, const uint8_t* row0,
+                                const uint8_t* row1, float* coef0, float* coef1, float* y, int64_t K, int64_t Kp,
+                                int64_t N) {
+  const int64_t bytes = layout(FORMAT).bytes;
+  const int64_t blocks = K / 32;
+  v16 acc[NUM_X][2] = {};
+  for (int64_t k = 0, b = 0; k < Kp; k += CHUNK, b += 2) {
+    const bool pair = b + 1 < blocks;
+    __m512i u[2];
+    v16 scale[2];
+    const uint8_t* rows[2] = {row0, row1};
+    float* coefs[2] = {coef0, coef1};
+#pragma GCC unroll 2
+    for (int j = 0; j < 2; ++j) {
+      const uint8_t* first = rows[j] + b * bytes;
+      const uint8_t* second = pair ? first + bytes : nullptr;
+      scale[j] = pair_scales(first, second);
+      coefs[j][k / 16] = coefs[j][k / 16 + 1] = block32_coef(FORMAT, first, scale[j][0]);
+      coefs[j][k / 16 + 2] = coefs[j][k / 16 + 3] = pair ? block32_coef(FORMAT, second, scale[j][8]) : 0.0f;
+      u[j] = _mm512_inserti64x4(_mm512_castsi256_si512(block32_values<FORMAT>(first)),
+                                pair ? block32_values<FORMAT>(second) : _mm256_setzero_si256(), 1);
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < NUM_X; ++i) {
+      const __m512i x = _mm512_loadu_si512(q + i * Kp + k);
+      const v16 xs = load16(x_scale + i * (Kp / 4) + k / 4);
+#pragma GCC unroll 2
+      for (int j = 0; j < 2; ++j) {
+        const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[j], x);
+        vi16 lanes;
+        std::memcpy(&lanes, &p, sizeof lanes);
+        acc[i][j] += __builtin_convertvector(lanes, v16) * (scale[j] * xs);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < NUM_X; ++i) {
+    y[i * N] = horizontal_sum(acc[i][0]) + coefficient_sum(coef0, x_sum + i * (Kp / 16), Kp / 16);
+    y[i * N + 1] = horizontal_sum(acc[i][1]) + coefficient_sum(coef1, x_sum + i * (Kp / 16), Kp / 16);
+  }
+}
+
+template <int64_t FORMAT, int NUM_X = FUSED_ROWS_OF_X_BLOCK32>
+void block32_pair_rows(int64_t rows, const Activations& a, int64_t m, const uint8_t* row0, const uint8_t* row1,
+                       float* coef0, float* coef1, float* y, int64_t K, int64_t Kp, int64_t N) {
+  if constexpr (NUM_X > 1) {
+    if (rows < NUM_X) return block32_pair_rows<FORMAT, NUM_X - 1>(rows, a, m, row0, row1, coef0, coef1, y, K, Kp, N);
+  }
+  block32_decode_pair<FORMAT, NUM_X>(a.q.data() + m * Kp, a.scale.data() + m * (Kp / 4), a.sum.data() + m * (Kp / 16),
+                                     row0, row1, coef0, coef1, y, K, Kp, N);
+}
+
 template <int64_t FORMAT, int NUM_X = FUSED_ROWS_OF_X_BLOCK32>
 void block32_rows(int64_t rows, const Activations& a, int64_t m, const uint8_t* row, float* coef, float* y, int64_t K,
                   int64_t Kp, int64_t N) {
@@ -541,8 +613,13 @@ template <int64_t FORMAT>
 void block32_product(const Activations& a, const uint8_t* w, int64_t row_bytes, float* out, int64_t M, int64_t K,
                      int64_t Kp, int64_t N) {
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    float* coef = thread_scratch<float>(Kp / 16);
-    for (int64_t n = n0; n < n1; ++n)
+    float* coef = thread_scratch<float>(2 * (Kp / 16));
+    int64_t n = n0;
+    for (; n + 1 < n1; n += 2)  // two weight rows at a time, up to 8 rows of x each
+      for (int64_t m = 0; m < M; m += FUSED_ROWS_OF_X_BLOCK32)
+        block32_pair_rows<FORMAT>(std::min<int64_t>(FUSED_ROWS_OF_X_BLOCK32, M - m), a, m, w + n * row_bytes,
+                                  w + (n + 1) * row_bytes, coef, coef + Kp / 16, out + m * N + n, K, Kp, N);
+    for (; n < n1; ++n)  // an odd last row
       for (int64_t m = 0; m < M; m += FUSED_ROWS_OF_X_BLOCK32)
         block32_rows<FORMAT>(std::min<int64_t>(FUSED_ROWS_OF_X_BLOCK32, M - m), a, m, w + n * row_bytes, coef,
                              out + m * N + n, K, Kp, N);
