@@ -312,6 +312,20 @@ def test_attention_scores_on_amx_tiles_are_close_and_the_same_bits_for_a_row_alo
                        kernels.attention(queries, keys.float(), values.float(), start, causal, scale))
 
 
+@pytest.mark.parametrize("head_dim", [16, 48, 80])
+def test_attention_scores_stay_float32_for_heads_not_a_whole_number_of_tile_steps(kernels, head_dim):
+    # A tile step is 32 dimensions: a head of 48 or 80 would leave its last 16 out of the scores,
+    # so the request is ignored there, and the result is the float32 scores' exactly.
+    torch.manual_seed(6)
+    start, num_new, scale = 30, 4, head_dim ** -0.5
+    keys = torch.randn(2, start + num_new, head_dim).bfloat16()
+    values = torch.randn(2, start + num_new, head_dim).bfloat16()
+    queries = torch.randn(num_new, 6, head_dim)
+    causal = torch.empty(0, dtype=torch.bool)
+    assert torch.equal(kernels.attention(queries, keys, values, start, causal, scale, True),
+                       kernels.attention(queries, keys, values, start, causal, scale))
+
+
 @pytest.mark.parametrize("num_new", range(1, 10))
 def test_attention_bits_do_not_depend_on_how_threads_share_the_positions(kernels, num_new):
     # SmolLM2's 3 key/value heads over 2 threads: 2-8 positions go in more chunks than over 1

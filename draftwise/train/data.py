@@ -112,6 +112,8 @@ def write_messages(model, tokenizer, histories: list[list[dict]], role: str, bat
                    progress: bool = True) -> list[str]:
     """A `role` message written by the model after each history (Magpie), retried until each slot
     has one (with unique=True, one not written before): one message per history, in order."""
+    if not histories:  # e.g. no system prompts asked for: no progress bar either
+        return []
     rng = random.Random(seed)
     torch.manual_seed(seed)
     written: list[str | None] = [None] * len(histories)

@@ -102,7 +102,8 @@ def make_data(target, data_settings: DataSettings, layers: tuple[int, ...], prog
         chats = datagen.write_questions(generator_model, tokenizer, data_settings.num_questions, batch_size,
                                         data_settings.seed, progress=progress, systems=systems)
         random.Random(data_settings.seed).shuffle(chats)  # held-out and follow-up picks from both kinds
-    chats, dropped = datagen.drop_bench_prompts(chats, _bench_texts())
+    bench_texts = _bench_texts()
+    chats, dropped = datagen.drop_bench_prompts(chats, bench_texts)
     timings["questions_s"] = time.perf_counter() - started
     if len(chats) <= data_settings.num_heldout:
         raise ConfigError(f"{len(chats)} prompts leave none to train on after holding out {data_settings.num_heldout}: "
@@ -125,7 +126,7 @@ def make_data(target, data_settings: DataSettings, layers: tuple[int, ...], prog
                    for index in picked]
         follow_ups = datagen.write_follow_ups(generator_model, tokenizer, [chats[index] for index in picked], answers,
                                               data_settings.batch_size, data_settings.seed + 2, progress=progress)
-        follow_ups, dropped_too = datagen.drop_bench_prompts(follow_ups, _bench_texts())
+        follow_ups, dropped_too = datagen.drop_bench_prompts(follow_ups, bench_texts)
         dropped += dropped_too
         conversations += datagen.answer(generator_model, tokenizer, follow_ups, data_settings.max_response_tokens,
                                         data_settings.batch_size, progress=progress)

@@ -130,7 +130,7 @@ std::vector<at::Tensor> Decoder::forward(at::Tensor x, const at::Tensor& cos, co
       work[s] = AttentionSpan{q.data_ptr<float>() + first * H * D, cached_keys, cached_values, bf16, k_stride, v_stride,
                               masks[s].numel() ? masks[s].data_ptr<bool>() : nullptr,
                               attended.data_ptr<float>() + first * H * D, rows, start, masks[s].numel() ? masks[s].size(1) : 0,
-                              bf16 && layer.q.activations == 3 && amx_scores_enabled()};  // llama.py's amx_scores
+                              layer.q.activations == 3};  // llama.py's amx_scores (attend decides)
     }
     attention_spans(work, H, H_kv, D, scale);
     x = at::add(x, layer.o(attended.reshape({N, H * D})));  // Python's x + y

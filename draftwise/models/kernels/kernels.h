@@ -58,7 +58,8 @@ struct AttentionSpan {
   // slots before them; 0: T). Every query sees the slots before those.
   int64_t mask_width = 0;
   // A bfloat16 cache's scores on AMX tiles, the queries rounded to bfloat16 (the model's linears
-  // run on AMX tiles too): see rowwise.cpp's amx_scores. Ignored for a float32 cache or without AMX.
+  // run on AMX tiles too): see rowwise.cpp's amx_scores. Ignored for a float32 cache, a head_dim
+  // that is not a multiple of 32, without AMX, or after use_amx_scores(false).
   bool amx_scores = false;
 };
 // attention() for every span at once, in one parallel region: each query's arithmetic is

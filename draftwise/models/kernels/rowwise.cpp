@@ -447,9 +447,12 @@ void attend(const AttentionSpan& span, int64_t chunks, int64_t item, int64_t H, 
   const int64_t head_chunks = (group + 3) / 4;
   static thread_local std::vector<int64_t> cursors;
   cursors.assign(head_chunks * QUERIES, 0);
+  // Scores on tiles: asked for (the model's linears run there), a bfloat16 cache, whole 32-column
+  // steps of the head (a tile step's width), and this CPU and use_amx_scores allow it.
+  const bool amx = std::is_same_v<E, uint16_t> && span.amx_scores && D % 32 == 0 && amx_scores_enabled();
 #if defined(DRAFTWISE_AMX_SCORES)
   if constexpr (std::is_same_v<E, uint16_t>) {
-    if (span.amx_scores) {
+    if (amx) {
       // Every query's score with every slot before `end`, by slot; then each query's row is
       // compacted to the keys it sees (its list is ascending, so keys_of[c] >= c: in place).
       static thread_local std::vector<const float*> query_rows;
@@ -463,12 +466,8 @@ void attend(const AttentionSpan& span, int64_t chunks, int64_t item, int64_t H, 
           const int32_t* keys_i = keys_of + i * row;
           for (int64_t c = causal ? count[i] : mask_first; c < count[i]; ++c) s[c] = s[keys_i[c]];
         }
-      std::fill(cursors.begin(), cursors.end(), int64_t(0));
     }
   }
-  const bool amx = span.amx_scores && std::is_same_v<E, uint16_t>;
-#else
-  const bool amx = false;
 #endif
   for (int64_t j1 = TILE; j1 < (amx ? 0 : end + TILE); j1 += TILE) {
     const int64_t tile_start = j1 - TILE;
@@ -600,7 +599,8 @@ double attention_cost(const AttentionSpan& span, int64_t chunks, int64_t item) {
 // is skipped, not added as zero weight, so a token of a tree or a draft gets the arithmetic it
 // gets when decoded alone. Four adjacent keys share one reduction tree (dot4, bit-identical to
 // four dot() calls) and a query's weighted sum of values stays in registers. amx_scores (a
-// bfloat16 cache, where the CPU has AMX tiles and use_amx_scores did not turn them off): the
+// bfloat16 cache, a head_dim that is a multiple of 32, where the CPU has AMX tiles and
+// use_amx_scores did not turn them off): the
 // scores come from amx_scores instead, each its own tile element, so the same holds.
 at::Tensor attention(const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values,
                         int64_t start, const at::Tensor& mask, double scale, bool amx_scores) {
@@ -623,7 +623,7 @@ at::Tensor attention(const at::Tensor& queries, const at::Tensor& keys, const at
   attention_spans({AttentionSpan{queries.data_ptr<float>(), keys.data_ptr(), values.data_ptr(), bf16,
                                  keys.stride(0), values.stride(0), causal ? nullptr : mask.data_ptr<bool>(),
                                  out.data_ptr<float>(), T, start, causal ? 0 : mask.size(1),
-                                 amx_scores && bf16 && amx_scores_enabled()}},
+                                 amx_scores}},
                   H, H_kv, D, scale);
   return out;
 }
