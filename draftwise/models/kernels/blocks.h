@@ -35,10 +35,8 @@ inline vi16 widen(const uint8_t* p) {
   const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   std::memcpy(&out, &v, sizeof out);
 #elif defined(__AVX2__)
-  const __m256i low = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m256i high = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
-  std::memcpy(&out, &low, 32);
-  std::memcpy(reinterpret_cast<char*>(&out) + 32, &high, 32);
+  out = join(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))),
+             _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
 #else
   for (int i = 0; i < 16; ++i) out[i] = p[i];
 #endif
@@ -51,11 +49,14 @@ inline vi16 widen_signed(const int8_t* p) {
   vi16 out;
   std::memcpy(&out, &v, sizeof out);
   return out;
+#elif defined(__AVX2__)
+  return join(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))),
+              _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
 #else
   return (widen(reinterpret_cast<const uint8_t*>(p)) ^ 128) - 128;
 #endif
 }
-inline v16 to_float(vi16 v) { return __builtin_convertvector(v, v16); }
+inline v16 to_float(vi16 v) { return convert<v16>(v); }
 
 // table[q & 15] per lane (only the low 4 bits of each lane of q are read).
 inline v16 lookup(v16 table, vi16 q) {
@@ -68,6 +69,15 @@ inline v16 lookup(v16 table, vi16 q) {
   v16 w;
   std::memcpy(&w, &out, sizeof w);
   return w;
+#elif defined(__AVX2__)
+  // Two 8-entry permutes (each reads the low 3 bits of an index), then bit 3 of the index (moved
+  // to the sign bit) picks the upper table's entry: the same float as table[q & 15].
+  const __m256 low = half_of(table, 0), high = half_of(table, 1);
+  const auto pick = [&](__m256i i) {
+    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(low, i), _mm256_permutevar8x32_ps(high, i),
+                            _mm256_castsi256_ps(_mm256_slli_epi32(i, 28)));
+  };
+  return join(pick(half_of(q, 0)), pick(half_of(q, 1)));
 #else
   v16 w;
   for (int l = 0; l < 16; ++l) w[l] = table[q[l] & 15];
@@ -75,7 +85,13 @@ inline v16 lookup(v16 table, vi16 q) {
 #endif
 }
 
+#if defined(DRAFTWISE_V16_PAIR)
+inline const v16 kIota = {v8{0, 1, 2, 3, 4, 5, 6, 7}, v8{8, 9, 10, 11, 12, 13, 14, 15}};
+inline const vi16 kLanes = {vi8{0, 1, 2, 3, 4, 5, 6, 7}, vi8{8, 9, 10, 11, 12, 13, 14, 15}};
+#else
 inline const v16 kIota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+inline const vi16 kLanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+#endif
 
 // The float16 at p, as a float32 in all 16 lanes (converted in a vector register: no scalar
 // round trip).
@@ -87,6 +103,11 @@ inline v16 splat_half(const uint8_t* p) {
   v16 out;
   std::memcpy(&out, &v, sizeof out);
   return out;
+#elif defined(__F16C__) && defined(__AVX__)
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  const __m256 half = _mm256_cvtph_ps(_mm_set1_epi16(int16_t(bits)));  // exact, as half_to_float
+  return join(half, half);
 #else
   return v16{} + half_to_float(p);
 #endif
@@ -129,7 +150,11 @@ inline __m128i q4k_scales_register(const uint8_t* packed) {
 // broadcast operands.
 DRAFTWISE_ALWAYS_INLINE void q4k_scaled(const uint8_t* block, float* out) {
   const v16 d = splat_half(block), dmin = splat_half(block + 2);
+#if defined(DRAFTWISE_V16_PAIR)
+  const v16 both = {d.lo, dmin.hi};
+#else
   const v16 both = __builtin_shufflevector(d, dmin, 0, 1, 2, 3, 4, 5, 6, 7, 24, 25, 26, 27, 28, 29, 30, 31);
+#endif
 #if defined(__AVX512F__)
   const __m512i wide = _mm512_cvtepu8_epi32(q4k_scales_register(block + 4));
   vi16 scales;
@@ -189,7 +214,7 @@ struct Blocks5 {
   static constexpr int64_t WEIGHTS = 32, BYTES = WITH_MIN ? 24 : 22;
   template <int R, typename Use>
   static DRAFTWISE_ALWAYS_INLINE void decode(const uint8_t* const* block, Use use) {
-    const vi16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const vi16 lane = kLanes;
     v16 w[2][R];
     for (int r = 0; r < R; ++r) {
       const float d = half_to_float(block[r]);

@@ -113,8 +113,8 @@ void round_row(const float* x, int64_t K, int64_t block, int8_t* q, float* scale
     v16 amax = {};
     for (int64_t k = 0; k < block; k += 16) {
       const v16 v = load16(x + k);
-      const v16 magnitude = v < 0 ? -v : v;
-      amax = magnitude > amax ? magnitude : amax;
+      const v16 magnitude = select(v < 0, -v, v);
+      amax = select(magnitude > amax, magnitude, amax);
     }
     float top = 0.0f;
     for (int i = 0; i < 16; ++i) top = std::max(top, amax[i]);
@@ -127,9 +127,9 @@ void round_row(const float* x, int64_t K, int64_t block, int8_t* q, float* scale
       const v16 product = load16(x + k) * inverse;
       v16 r;
       for (int i = 0; i < 16; ++i) r[i] = __builtin_rintf(product[i]);
-      r = r > limit ? limit : r;
-      r = r < -limit ? -limit : r;
-      const vi16 values = __builtin_convertvector(r, vi16);
+      r = select(r > limit, limit, r);
+      r = select(r < -limit, -limit, r);
+      const vi16 values = convert<vi16>(r);
       int total = 0;
       for (int i = 0; i < 16; ++i) {
         q[k + i] = int8_t(values[i]);
@@ -243,7 +243,7 @@ inline void block32_micro(Block32Rows x, Block32Rows w, float* y, int64_t Kp, in
 #pragma GCC unroll 16
       for (int j = 0; j < NUM_W; ++j) {
         const vi16 p = dot_lanes(w.bytes + j * Kp + k, q);
-        acc[i][j] += __builtin_convertvector(p, v16) * (load16(w.scale + j * (Kp / 4) + k / 4) * x_scale);
+        acc[i][j] += convert<v16>(p) * (load16(w.scale + j * (Kp / 4) + k / 4) * x_scale);
       }
     }
   }
@@ -322,7 +322,7 @@ inline vi16 scaled_dot(vi16 acc, const uint8_t* u, const int8_t* q, const int16_
 // kernel uses (decode, verify, prefill): the exact integer lanes times d * dx, then the
 // coefficients (w.coef, per 16 columns) times the activation sums (x.sum, per 16 columns).
 inline v16 super_block_step(v16 acc, vi16 total, float scale, v16 coef, v16 sum) {
-  acc += __builtin_convertvector(total, v16) * scale;
+  acc += convert<v16>(total) * scale;
   acc += coef * sum;
   return acc;
 }
@@ -519,7 +519,7 @@ inline void block32_decode(const int8_t* q, const float* x_scale, const float* x
       const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512(q + i * Kp + k));
       vi16 lanes;
       std::memcpy(&lanes, &p, sizeof lanes);
-      acc[i] += __builtin_convertvector(lanes, v16) * (scale * load16(x_scale + i * (Kp / 4) + k / 4));
+      acc[i] += convert<v16>(lanes) * (scale * load16(x_scale + i * (Kp / 4) + k / 4));
     }
   }
 #pragma GCC unroll 16
@@ -578,7 +578,7 @@ inline void block32_decode_pair(const int8_t* q, const float* x_scale, const flo
         const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[j], x);
         vi16 lanes;
         std::memcpy(&lanes, &p, sizeof lanes);
-        acc[i][j] += __builtin_convertvector(lanes, v16) * (scale[j] * xs);
+        acc[i][j] += convert<v16>(lanes) * (scale[j] * xs);
       }
     }
   }

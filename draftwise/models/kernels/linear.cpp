@@ -31,8 +31,11 @@
 namespace draftwise {
 namespace {
 
-constexpr int ROWS_OF_W = 4;  // weight rows per block: 4 x 6 = 24 accumulators + 4 weights
-constexpr int ROWS_OF_X = 6;
+// Weight rows and x rows per register block: 4 x 6 = 24 accumulators + 4 weights in AVX-512's
+// 32 registers; 2 x 3 = 6 accumulators + 2 weights where a v16 takes two of AVX2's 16 (AMD EPYC
+// 7003, 1536x576 Q4_1 at 64 rows: 6 x 4 blocks 3 GMAC/s, 2 x 3 18.6).
+constexpr int ROWS_OF_W = kVectorRegisters == 32 ? 4 : 2;
+constexpr int ROWS_OF_X = kVectorRegisters == 32 ? 6 : 3;
 constexpr int64_t SKINNY_MAX_ROWS = 32;  // float-format weights, more rows than this: the prefill path
 
 // acc[m][r] for the K % 16 tail and the final sum: shared by both paths, so they agree.
@@ -130,7 +133,7 @@ void skinny(const float* x, const uint8_t* w, int64_t format, float* y, int64_t 
 // floats as block<> over a dequantised row, so the two agree bit for bit (the tests check it).
 // The work goes in slices of K whose rows of x stay in L1 (about 16 KB), each thread keeping
 // the 16-lane partial sums of its weight rows between slices.
-constexpr int FUSED_ROWS_OF_X = 8;
+constexpr int FUSED_ROWS_OF_X = kVectorRegisters == 32 ? 8 : 4;
 constexpr int64_t FUSED_ROWS_OF_W = 8;  // weight rows a thread carries through the slices
 constexpr int64_t FUSED_X_BYTES = 16 * 1024;
 
@@ -176,9 +179,10 @@ inline void fused_slice_rows(int64_t num_x, const float* x, const uint8_t* const
 void fused(const float* x, const uint8_t* w, int64_t format, float* y, int64_t M, int64_t K, int64_t N,
            int64_t row_bytes) {
   // Rows of x in even groups of at most 8 (9 -> 5 + 4); weight rows 4 abreast for one or two
-  // rows of x, 2 abreast for more (at most 16 accumulators).
+  // rows of x, 2 abreast for more (at most 16 accumulators). With AVX2's 16 registers, groups of
+  // at most 4 rows, weight rows 2 abreast for one or two rows of x, else one at a time.
   const int64_t groups = (M + FUSED_ROWS_OF_X - 1) / FUSED_ROWS_OF_X, per_group = (M + groups - 1) / groups;
-  const int64_t abreast = per_group <= 2 ? 4 : 2;
+  const int64_t abreast = kVectorRegisters == 32 ? (per_group <= 2 ? 4 : 2) : (per_group <= 2 ? 2 : 1);
   with_blocks(format, [&](auto blocks) {
     using B = decltype(blocks);
     const int64_t x_columns = FUSED_X_BYTES / 4 / per_group / B::WEIGHTS * B::WEIGHTS;
@@ -201,7 +205,7 @@ void fused(const float* x, const uint8_t* w, int64_t format, float* y, int64_t M
             if (abreast == 4) {
               for (; r + 4 <= rows; r += 4)
                 fused_slice_rows<B, 4, 2>(num_x, xm, row + r, partial + r * M + m, M, columns, K, next);
-            } else {
+            } else if (abreast == 2) {
               for (; r + 2 <= rows; r += 2)
                 fused_slice_rows<B, 2>(num_x, xm, row + r, partial + r * M + m, M, columns, K, next);
             }

@@ -238,7 +238,7 @@ inline float scale_and_max(float* x, int64_t n, float scale) {
   for (; k + 16 <= n; k += 16) {
     const v16 v = load16(x + k) * scale;
     store16(x + k, v);
-    top = v > top ? v : top;
+    top = select(v > top, v, top);
   }
   float max = -__builtin_inff();
   for (int i = 0; i < 16; ++i) max = std::max(max, top[i]);
@@ -313,8 +313,8 @@ at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
       std::memcpy(gs, g + k, valid * sizeof(float));
       std::memcpy(us, u + k, valid * sizeof(float));
       const v16 x = load16(gs);
-      const v16 e = exp16(x < 0 ? x : -x);  // e^-|x|, never overflows
-      const v16 silu = x < 0 ? x * e / (1.0f + e) : x / (1.0f + e);
+      const v16 e = exp16(select(x < 0, x, -x));  // e^-|x|, never overflows
+      const v16 silu = select(x < 0, x * e / (1.0f + e), x / (1.0f + e));
       store16(os, silu * load16(us));
       std::memcpy(o + k, os, valid * sizeof(float));
     }

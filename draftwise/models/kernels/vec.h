@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -21,14 +22,112 @@
 
 namespace draftwise {
 
-typedef float v16 __attribute__((vector_size(64)));
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
+typedef int32_t vi8 __attribute__((vector_size(32)));
+typedef uint32_t vu8 __attribute__((vector_size(32)));
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define DRAFTWISE_V16_PAIR 1
+// AVX2 without AVX-512: 16 lanes are a pair of 256-bit vectors. GCC keeps a 64-byte vector
+// extension type, having no 64-byte register here, in memory: every multiply-add of a register
+// block then loaded and stored its accumulator and values moved through general registers
+// (SmolLM2's 1536x576 Q4_1 at 1-3 GMAC/s on an AMD EPYC 7003 core). A pair of 256-bit vectors
+// stays in registers. Lane l of a Pair is lane l of the 16 (lo: 0..7, hi: 8..15), and every
+// operator below is the same operation lane by lane, so each lane's arithmetic (and thus each
+// kernel's rounding) is what the 64-byte type computes.
+template <typename H>
+using Lane = std::remove_cv_t<std::remove_reference_t<decltype(H{}[0])>>;
+template <typename H>
+struct Pair {
+  H lo, hi;
+  Lane<H> operator[](int i) const { return i < 8 ? lo[i] : hi[i - 8]; }
+  Lane<H>& operator[](int i) { return reinterpret_cast<Lane<H>*>(this)[i]; }
+};
+#define DRAFTWISE_PAIR_OPERATOR(op)                                                                              \
+  template <typename H>                                                                                         \
+  inline Pair<H> operator op(Pair<H> a, Pair<H> b) { return {a.lo op b.lo, a.hi op b.hi}; }                     \
+  template <typename H, typename S, typename = std::enable_if_t<std::is_arithmetic_v<S>>>                       \
+  inline Pair<H> operator op(Pair<H> a, S b) { return {a.lo op Lane<H>(b), a.hi op Lane<H>(b)}; }                                  \
+  template <typename H, typename S, typename = std::enable_if_t<std::is_arithmetic_v<S>>>                       \
+  inline Pair<H> operator op(S a, Pair<H> b) { return {Lane<H>(a) op b.lo, Lane<H>(a) op b.hi}; }                                  \
+  template <typename H, typename T>                                                                             \
+  inline Pair<H>& operator op##=(Pair<H>& a, T b) { return a = a op b; }
+DRAFTWISE_PAIR_OPERATOR(+)
+DRAFTWISE_PAIR_OPERATOR(-)
+DRAFTWISE_PAIR_OPERATOR(*)
+DRAFTWISE_PAIR_OPERATOR(/)
+DRAFTWISE_PAIR_OPERATOR(&)
+DRAFTWISE_PAIR_OPERATOR(|)
+DRAFTWISE_PAIR_OPERATOR(^)
+DRAFTWISE_PAIR_OPERATOR(<<)
+DRAFTWISE_PAIR_OPERATOR(>>)
+#undef DRAFTWISE_PAIR_OPERATOR
+#define DRAFTWISE_PAIR_COMPARISON(op)                                                                            \
+  template <typename H>                                                                                         \
+  inline auto operator op(Pair<H> a, Pair<H> b) { return Pair<decltype(a.lo op b.lo)>{a.lo op b.lo, a.hi op b.hi}; } \
+  template <typename H, typename S, typename = std::enable_if_t<std::is_arithmetic_v<S>>>                       \
+  inline auto operator op(Pair<H> a, S b) { return Pair<decltype(a.lo < a.lo)>{a.lo op Lane<H>(b), a.hi op Lane<H>(b)}; }
+DRAFTWISE_PAIR_COMPARISON(<)
+DRAFTWISE_PAIR_COMPARISON(>)
+DRAFTWISE_PAIR_COMPARISON(<=)
+DRAFTWISE_PAIR_COMPARISON(>=)
+DRAFTWISE_PAIR_COMPARISON(==)
+DRAFTWISE_PAIR_COMPARISON(!=)
+#undef DRAFTWISE_PAIR_COMPARISON
+template <typename H>
+inline Pair<H> operator-(Pair<H> a) { return {-a.lo, -a.hi}; }
+
+typedef Pair<v8> v16;
+typedef Pair<vi8> vi16;
+typedef Pair<vu8> vu16;
+
+// mask ? a : b per lane (mask: a comparison's result).
+template <typename M, typename T>
+inline T select(M mask, T a, T b) { return {mask.lo ? a.lo : b.lo, mask.hi ? a.hi : b.hi}; }
+// Each lane converted (float <-> int32, as __builtin_convertvector: int32 -> float rounds to
+// nearest, float -> int32 truncates).
+template <typename To, typename From>
+inline To convert(From v) {
+  return {__builtin_convertvector(v.lo, decltype(To{}.lo)), __builtin_convertvector(v.hi, decltype(To{}.lo))};
+}
+// The same 64 bytes seen as another 16-lane type.
+template <typename To, typename From>
+inline To bitcast(From v) { return {(decltype(To{}.lo))v.lo, (decltype(To{}.lo))v.hi}; }
+inline v16 join(__m256 low, __m256 high) { return {v8(low), v8(high)}; }
+inline vi16 join(__m256i low, __m256i high) { return {vi8(low), vi8(high)}; }
+inline __m256 half_of(v16 v, int h) { return __m256(h == 0 ? v.lo : v.hi); }
+inline __m256i half_of(vi16 v, int h) { return __m256i(h == 0 ? v.lo : v.hi); }
+inline v16 load16(const float* p) { return {v8(_mm256_loadu_ps(p)), v8(_mm256_loadu_ps(p + 8))}; }
+inline void store16(float* p, v16 v) {
+  _mm256_storeu_ps(p, __m256(v.lo));
+  _mm256_storeu_ps(p + 8, __m256(v.hi));
+}
+#else
+typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t vi16 __attribute__((vector_size(64)));
 typedef uint32_t vu16 __attribute__((vector_size(64)));
 
+template <typename M, typename T>
+inline T select(M mask, T a, T b) { return mask ? a : b; }
+template <typename To, typename From>
+inline To convert(From v) { return __builtin_convertvector(v, To); }
+template <typename To, typename From>
+inline To bitcast(From v) { return (To)v; }
 inline v16 load16(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
 inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
+#endif
+
+// How many v16 values the CPU's vector registers hold: 32 with AVX-512 (a v16 is one of its 32
+// registers), 8 elsewhere (AVX2's 16 256-bit registers, NEON's 32 128-bit ones). Register
+// blocks are sized by it: a block of more accumulators than registers spills to the stack on
+// every step (AVX2, SmolLM2's 1536x576 Q4_1 with 6 x 4 accumulators: 3 GMAC/s).
+#if defined(__AVX512F__)
+constexpr int kVectorRegisters = 32;
+#else
+constexpr int kVectorRegisters = 8;
+#endif
+
 
 // 16 bfloat16 values (a KV cache's keys or values, stored as their bits) -> float32, exactly:
 // a bfloat16 is the top half of the float32 it came from.
@@ -37,13 +136,14 @@ inline v16 load16(const uint16_t* p) {
 #if defined(__AVX512F__)
   const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   std::memcpy(&bits, &v, sizeof bits);
+#elif defined(__AVX2__)
+  bits = join(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+              _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8))));
 #else
   for (int i = 0; i < 16; ++i) bits[i] = p[i];
 #endif
   bits <<= 16;
-  v16 out;
-  std::memcpy(&out, &bits, sizeof out);
-  return out;
+  return bitcast<v16>(bits);
 }
 
 // x[0..n) -> bfloat16 bits, rounded to nearest even exactly as torch's .to(torch.bfloat16)
@@ -51,9 +151,8 @@ inline v16 load16(const uint16_t* p) {
 inline void round_to_bf16(const float* x, uint16_t* out, int64_t n) {
   int64_t k = 0;
   for (; k + 16 <= n; k += 16) {
-    vu16 bits;
-    std::memcpy(&bits, x + k, sizeof bits);
     const v16 value = load16(x + k);
+    const vu16 bits = bitcast<vu16>(value);
     const vu16 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
     const vi16 nan = value != value;
     for (int i = 0; i < 16; ++i) out[k + i] = nan[i] ? uint16_t(0x7fc0) : uint16_t(rounded[i]);
@@ -98,6 +197,17 @@ inline void in_memory(T& values) {
   asm("" : "+m"(values));
 }
 
+#if defined(DRAFTWISE_V16_PAIR)
+inline float horizontal_sum(v16 v) {
+  const v8 a = v.lo + v.hi;  // lane i + lane i + 8, then as below
+  const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+// The four sums, each the same tree as horizontal_sum's.
+inline v4 horizontal_sums4(v16 a, v16 b, v16 c, v16 d) {
+  return v4{horizontal_sum(a), horizontal_sum(b), horizontal_sum(c), horizontal_sum(d)};
+}
+#else
 inline float horizontal_sum(v16 v) {
   v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
          __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -122,13 +232,14 @@ inline v4 horizontal_sums4(v16 a, v16 b, v16 c, v16 d) {
   const v16 total = pairs + __builtin_shufflevector(pairs, pairs, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
   return __builtin_shufflevector(total, total, 0, 4, 8, 12);
 }
+#endif
 
 // e^x for x <= 0 (softmax after subtracting the maximum, SiLU's e^-|x|): Cephes' range
 // reduction and degree-6 polynomial, about 2 ulp. Our own, so every CPU and every row runs the
 // same instructions (no library picks a different path for a tail).
 inline v16 exp16(v16 x) {
   const v16 lo = v16{} - 87.0f;
-  x = x < lo ? lo : x;  // e^-87 ~ 1.6e-38: still a normal float
+  x = select(x < lo, lo, x);  // e^-87 ~ 1.6e-38: still a normal float
   const v16 magic = v16{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
   v16 n = (x * 1.44269504088896341f + magic) - magic;
   v16 r = x - n * 0.693359375f;
@@ -140,10 +251,8 @@ inline v16 exp16(v16 x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * (r * r) + r + 1.0f;
-  vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;  // 2^n
-  v16 scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
+  const vi16 bits = (convert<vi16>(n) + 127) << 23;  // 2^n
+  return p * bitcast<v16>(bits);
 }
 
 }  // namespace draftwise
