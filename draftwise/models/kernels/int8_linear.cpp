@@ -52,7 +52,9 @@ namespace {
 
 constexpr int64_t CHUNK = 64;  // columns per integer step: 16 int32 lanes x 4 bytes
 constexpr int64_t FUSED_MAX_ROWS = 16;  // at most this many rows of x: weights decoded in registers
-constexpr int FUSED_ROWS_OF_X_BLOCK32 = 8;  // 32-weight blocks: 8 accumulators, one row of W at a time
+// 32-weight blocks: rows of x per call, 8 x 2 accumulators in AVX-512's 32 registers, 4 x 2 in
+// AVX2's 16 (a v16 is two of them).
+constexpr int FUSED_ROWS_OF_X_BLOCK32 = kVectorRegisters == 32 ? 8 : 4;
 constexpr int64_t SUPER = 256;  // columns of a K-quant super-block
 
 inline bool is_kquant(int64_t format) { return format == Q4_K || format == Q6_K; }
@@ -210,12 +212,30 @@ void unpack_block32_row(int64_t format, const uint8_t* row, int64_t K, uint8_t* 
   }
 }
 
+#if defined(DRAFTWISE_V16_PAIR)
+// AVX2's byte multiply-add (unsigned x signed bytes, pairs summed into saturating int16) for 8
+// lanes of 4 products, exact for any unsigned u and q in [-127, 127] (round_row's range):
+// u q = (u - 128) q + 128 q, and each half's int16 pairs stay within 2 x 128 x 127 = 32512.
+// (u - 128) q is |u - 128| times q with the sign of u - 128 (|-128| is 128 as an unsigned byte).
+inline __m256i dot_lanes8(__m256i u, __m256i q) {
+  const __m256i centred = _mm256_xor_si256(u, _mm256_set1_epi8(-128)), ones = _mm256_set1_epi16(1);
+  const __m256i low = _mm256_maddubs_epi16(_mm256_abs_epi8(centred), _mm256_sign_epi8(q, centred));
+  const __m256i high = _mm256_maddubs_epi16(_mm256_set1_epi8(-128), q);
+  return _mm256_add_epi32(_mm256_madd_epi16(low, ones), _mm256_madd_epi16(high, ones));
+}
+#endif
+
 // 16 lanes of 4 byte products each, exact: lane i = sum_j u[4i + j] * q[4i + j].
 inline vi16 dot_lanes(const uint8_t* u, const int8_t* q) {
   vi16 out;
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
   const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(u), _mm512_loadu_si512(q));
   std::memcpy(&out, &p, sizeof out);
+#elif defined(DRAFTWISE_V16_PAIR)
+  out = join(dot_lanes8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(u)),
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))),
+             dot_lanes8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 32)),
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32))));
 #else
   for (int i = 0; i < 16; ++i) {
     int32_t lane = 0;
@@ -305,6 +325,14 @@ inline vi16 scaled_dot(vi16 acc, const uint8_t* u, const int8_t* q, const int16_
   a = _mm512_add_epi32(a, _mm512_madd_epi16(pairs, _mm512_loadu_si512(sub)));
 #endif
   std::memcpy(&acc, &a, sizeof a);
+#elif defined(DRAFTWISE_V16_PAIR)
+  for (int h = 0; h < 2; ++h) {  // 32 bytes, 8 lanes: the same pairs and sums as above
+    const __m256i pairs = _mm256_maddubs_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 32 * h)),
+                                               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * h)));
+    const __m256i sum = _mm256_add_epi32(half_of(acc, h),
+                                         _mm256_madd_epi16(pairs, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sub + 16 * h))));
+    (h == 0 ? acc.lo : acc.hi) = vi8(sum);
+  }
 #else
   for (int i = 0; i < 16; ++i) {
     int32_t lane = 0;
@@ -461,7 +489,74 @@ constexpr bool FUSED = true;
 constexpr bool FUSED = false;
 #endif
 
+// 64 columns of a decode step on 32-weight blocks (two blocks' values, unsigned bytes, or a
+// row of x's rounded values): one 512-bit register with AVX-512 VNNI, two 256-bit ones on AVX2.
+// chunk_dot gives the 16 exact integer lanes of dot_lanes either way.
 #if defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define DRAFTWISE_BLOCK32_FUSED 1
+using Chunk = __m512i;
+inline Chunk join_chunk(__m256i first, __m256i second) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1);
+}
+inline Chunk load_chunk(const int8_t* q) { return _mm512_loadu_si512(q); }
+template <int64_t FORMAT>
+inline vi16 chunk_dot(Chunk u, Chunk x) {
+  const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, x);
+  vi16 lanes;
+  std::memcpy(&lanes, &p, sizeof lanes);
+  return lanes;
+}
+// 32 bits -> 32 bytes, 16 where the bit is set.
+inline __m256i fifth_bits(uint32_t high) { return _mm256_maskz_mov_epi8(_cvtu32_mask32(high), _mm256_set1_epi8(16)); }
+// The two blocks' scales of a 64-column chunk in the int32 lanes they scale: [d0 x 8, d1 x 8]
+// (d1 = 0 past the row's last block), converted in one instruction (exact, as half_to_float).
+inline v16 pair_scales(const uint8_t* first, const uint8_t* second) {
+  uint16_t h0, h1 = 0;
+  std::memcpy(&h0, first, 2);
+  if (second != nullptr) std::memcpy(&h1, second, 2);
+  const __m512 scales = _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi16(int16_t(h0))),
+                                                                 _mm_set1_epi16(int16_t(h1)), 1));
+  v16 out;
+  std::memcpy(&out, &scales, sizeof out);
+  return out;
+}
+#elif defined(DRAFTWISE_V16_PAIR)
+#define DRAFTWISE_BLOCK32_FUSED 1
+struct Chunk {
+  __m256i first, second;
+};
+inline Chunk join_chunk(__m256i first, __m256i second) { return {first, second}; }
+inline Chunk load_chunk(const int8_t* q) {
+  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32))};
+}
+// Values of at most 31 (Q4_x, Q5_x) times q never saturate the int16 pairs (2 x 31 x 127): one
+// byte multiply-add; Q8_0's (up to 255) take dot_lanes8.
+template <int64_t FORMAT>
+inline vi16 chunk_dot(Chunk u, Chunk x) {
+  if constexpr (FORMAT == Q8_0) {
+    return join(dot_lanes8(u.first, x.first), dot_lanes8(u.second, x.second));
+  } else {
+    const __m256i ones = _mm256_set1_epi16(1);
+    return join(_mm256_madd_epi16(_mm256_maddubs_epi16(u.first, x.first), ones),
+                _mm256_madd_epi16(_mm256_maddubs_epi16(u.second, x.second), ones));
+  }
+}
+inline __m256i fifth_bits(uint32_t high) {
+  // byte i <- byte i / 8 of high, then its bit i % 8
+  const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(int32_t(high)),
+                                            _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+  const __m256i bit = _mm256_set1_epi64x(int64_t(0x8040201008040201));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit), _mm256_set1_epi8(16));
+}
+inline v16 pair_scales(const uint8_t* first, const uint8_t* second) {
+  uint16_t h0, h1 = 0;
+  std::memcpy(&h0, first, 2);
+  if (second != nullptr) std::memcpy(&h1, second, 2);
+  return join(_mm256_cvtph_ps(_mm_set1_epi16(int16_t(h0))), _mm256_cvtph_ps(_mm_set1_epi16(int16_t(h1))));
+}
+#endif
+
+#if defined(DRAFTWISE_BLOCK32_FUSED)
 // One 32-weight block -> its 32 unsigned values in column order, as unpack_block32_row writes
 // them (Q8_0: v + 128; Q4_x: the nibbles; Q5_x: the nibbles plus the fifth bit as 16).
 template <int64_t FORMAT>
@@ -477,7 +572,7 @@ inline __m256i block32_values(const uint8_t* block) {
     if constexpr (five_bits) {
       uint32_t high;
       std::memcpy(&high, block + (with_min ? 4 : 2), 4);
-      u = _mm256_or_si256(u, _mm256_maskz_mov_epi8(_cvtu32_mask32(high), _mm256_set1_epi8(16)));
+      u = _mm256_or_si256(u, fifth_bits(high));
     }
     return u;
   }
@@ -497,47 +592,22 @@ inline void block32_decode(const int8_t* q, const float* x_scale, const float* x
   v16 acc[NUM_X] = {};
   for (int64_t k = 0, b = 0; k < Kp; k += CHUNK, b += 2) {
     const uint8_t* first = row + b * bytes;
-    const float d0 = half_to_float(first);
-    coef[k / 16] = coef[k / 16 + 1] = block32_coef(FORMAT, first, d0);
-    __m512i u = _mm512_castsi256_si512(block32_values<FORMAT>(first));
-    __m512 w_scale;
-    if (b + 1 < blocks) {
-      const uint8_t* second = first + bytes;
-      const float d1 = half_to_float(second);
-      coef[k / 16 + 2] = coef[k / 16 + 3] = block32_coef(FORMAT, second, d1);
-      u = _mm512_inserti64x4(u, block32_values<FORMAT>(second), 1);
-      w_scale = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d0), _mm512_set1_ps(d1));
-    } else {  // K = 32 (mod 64): the padding's values, scales and coefficients are zeros
-      coef[k / 16 + 2] = coef[k / 16 + 3] = 0.0f;
-      u = _mm512_inserti64x4(u, _mm256_setzero_si256(), 1);
-      w_scale = _mm512_maskz_mov_ps(0x00FF, _mm512_set1_ps(d0));
-    }
-    v16 scale;
-    std::memcpy(&scale, &w_scale, sizeof scale);
+    // K = 32 (mod 64): the padding's values, scales and coefficients are zeros
+    const uint8_t* second = b + 1 < blocks ? first + bytes : nullptr;
+    const v16 scale = pair_scales(first, second);
+    coef[k / 16] = coef[k / 16 + 1] = block32_coef(FORMAT, first, scale[0]);
+    coef[k / 16 + 2] = coef[k / 16 + 3] = second != nullptr ? block32_coef(FORMAT, second, scale[8]) : 0.0f;
+    const Chunk u = join_chunk(block32_values<FORMAT>(first),
+                               second != nullptr ? block32_values<FORMAT>(second) : _mm256_setzero_si256());
 #pragma GCC unroll 16
     for (int i = 0; i < NUM_X; ++i) {
-      const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512(q + i * Kp + k));
-      vi16 lanes;
-      std::memcpy(&lanes, &p, sizeof lanes);
+      const vi16 lanes = chunk_dot<FORMAT>(u, load_chunk(q + i * Kp + k));
       acc[i] += convert<v16>(lanes) * (scale * load16(x_scale + i * (Kp / 4) + k / 4));
     }
   }
 #pragma GCC unroll 16
   for (int i = 0; i < NUM_X; ++i)
     y[i * N] = horizontal_sum(acc[i]) + coefficient_sum(coef, x_sum + i * (Kp / 16), Kp / 16);
-}
-
-// The two blocks' scales of a 64-column chunk in the int32 lanes they scale: [d0 x 8, d1 x 8]
-// (d1 = 0 past the row's last block), converted in one instruction (exact, as half_to_float).
-inline v16 pair_scales(const uint8_t* first, const uint8_t* second) {
-  uint16_t h0, h1 = 0;
-  std::memcpy(&h0, first, 2);
-  if (second != nullptr) std::memcpy(&h1, second, 2);
-  const __m512 scales = _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi16(int16_t(h0))),
-                                                                 _mm_set1_epi16(int16_t(h1)), 1));
-  v16 out;
-  std::memcpy(&out, &scales, sizeof out);
-  return out;
 }
 
 // block32_decode for two weight rows at once (up to 8 rows of x: each chunk of x is loaded once
@@ -555,7 +625,7 @@ inline void block32_decode_pair(const int8_t* q, const float* x_scale, const flo
   v16 acc[NUM_X][2] = {};
   for (int64_t k = 0, b = 0; k < Kp; k += CHUNK, b += 2) {
     const bool pair = b + 1 < blocks;
-    __m512i u[2];
+    Chunk u[2];
     v16 scale[2];
     const uint8_t* rows[2] = {row0, row1};
     float* coefs[2] = {coef0, coef1};
@@ -566,20 +636,14 @@ inline void block32_decode_pair(const int8_t* q, const float* x_scale, const flo
       scale[j] = pair_scales(first, second);
       coefs[j][k / 16] = coefs[j][k / 16 + 1] = block32_coef(FORMAT, first, scale[j][0]);
       coefs[j][k / 16 + 2] = coefs[j][k / 16 + 3] = pair ? block32_coef(FORMAT, second, scale[j][8]) : 0.0f;
-      u[j] = _mm512_inserti64x4(_mm512_castsi256_si512(block32_values<FORMAT>(first)),
-                                pair ? block32_values<FORMAT>(second) : _mm256_setzero_si256(), 1);
+      u[j] = join_chunk(block32_values<FORMAT>(first), pair ? block32_values<FORMAT>(second) : _mm256_setzero_si256());
     }
 #pragma GCC unroll 16
     for (int i = 0; i < NUM_X; ++i) {
-      const __m512i x = _mm512_loadu_si512(q + i * Kp + k);
+      const Chunk x = load_chunk(q + i * Kp + k);
       const v16 xs = load16(x_scale + i * (Kp / 4) + k / 4);
 #pragma GCC unroll 2
-      for (int j = 0; j < 2; ++j) {
-        const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[j], x);
-        vi16 lanes;
-        std::memcpy(&lanes, &p, sizeof lanes);
-        acc[i][j] += convert<v16>(lanes) * (scale[j] * xs);
-      }
+      for (int j = 0; j < 2; ++j) acc[i][j] += convert<v16>(chunk_dot<FORMAT>(u[j], x)) * (scale[j] * xs);
     }
   }
 #pragma GCC unroll 16
