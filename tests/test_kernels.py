@@ -434,6 +434,20 @@ def test_a_failed_build_warns_once_with_the_fix_and_falls_back(monkeypatch):
         assert kernels_module.native_kernels(progress=False) is None
 
 
+@pytest.mark.parametrize("compiler, contraction", [(("gcc", "12.2.0"), "fast"), (("gcc", "13.3.0"), "off"),
+                                                    (("clang", "17.0.6"), "off"), (("", ""), "off")])
+def test_fused_multiply_adds_are_left_to_the_compiler_only_where_it_contracts_every_path_alike(
+        monkeypatch, compiler, contraction):
+    """GCC 13.3 contracted the decode and dequantised paths differently (an ulp apart: README,
+    "Compilers"); only GCC 12 builds with -ffp-contract=fast, and the build directory names the
+    compiler and the flag, so a build made by another never answers."""
+    monkeypatch.setattr(kernels_module, "_compiler", lambda: compiler)
+    assert kernels_module._contraction_flags() == [f"-ffp-contract={contraction}"]
+    directory = kernels_module._build_directory()
+    monkeypatch.setattr(kernels_module, "_compiler", lambda: ("gcc", "12.3.0" if compiler[1] != "12.3.0" else "14.1.0"))
+    assert kernels_module._build_directory() != directory
+
+
 def test_attention_without_the_kernels_reads_a_bfloat16_cache(monkeypatch, kernels):
     from draftwise.models import ops
 
