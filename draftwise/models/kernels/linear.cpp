@@ -20,6 +20,7 @@
 #include "kernels.h"
 #include "tiles.h"
 
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -313,8 +314,11 @@ void prefill(const float* x, const uint8_t* w, int64_t format, float* y, int64_t
 constexpr int64_t BLOCK_TILE_M = 96, BLOCK_TILE_N = 32, BLOCK_TILE_K = 2048;
 // From this many rows of x on, block formats take the tiles (kernel_cost.py, SmolLM2's Q4_1 /
 // Q8_0, 2 threads: 0.7x the fused path at 4 rows, even at 9, 1.1x at 16, 1.25x at 32; a whole
-// 16-token forward measured the same either way, within noise).
-constexpr int64_t BLOCK_TILE_MIN_ROWS = 12;
+// 16-token forward measured the same either way, within noise). On AVX2, where the fused path
+// re-decodes each weight for every group of 4 rows, from 5 rows (AMD EPYC 7003, 2 threads,
+// SmolLM2's 1536x576 / 576x1536 Q4_1 at 9 rows: 421 / 429 -> 319 / 280 us; its Q8_0 LM head
+// 7.9 -> 8.9 ms).
+constexpr int64_t BLOCK_TILE_MIN_ROWS = kVectorRegisters == 32 ? 12 : 5;
 
 void prefill_blocks(const float* x, const uint8_t* w, int64_t format, float* y, int64_t M, int64_t K, int64_t N,
                     int64_t row_bytes) {
