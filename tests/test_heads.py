@@ -319,3 +319,18 @@ def test_medusa_refuses_a_negative_lookup_length(smollm2, medusa_heads):
 def test_eagle_with_and_without_prompt_lookup_equals_plain_greedy(smollm2, plain_outputs, eagle_head, lookup):
     drafter = EagleDrafter(eagle_head, smollm2.model, lookup=lookup)
     assert tokens_per_forward_if_equal(Engine(smollm2, drafter, num_draft_tokens=24), plain_outputs) > 1.5
+
+
+@pytest.mark.parametrize("flags, expected", [("flags\t: fpu avx2 fma avx512f avx512_vnni", "int8"),
+                                             ("flags\t: fpu avx2 fma avx_vnni", "int8"),
+                                             ("flags\t: fpu avx2 fma f16c", "float32"), ("", "float32")])
+def test_the_head_multiplies_on_int8_activations_only_where_the_cpu_has_vnni(monkeypatch, eagle_head, flags, expected):
+    """Without VNNI (AVX2 alone) int8 Q8_0 products are slower than float32 ones (README, "CPUs
+    with AVX2 but no AVX-512"), so the head's copy keeps float32 activations there."""
+    from draftwise.models import kernels as kernels_module
+    from draftwise.models.linear import BlockLinear
+
+    monkeypatch.setattr(kernels_module, "_cpu_flags_line", lambda: flags)
+    compact = compact_copy(eagle_head)
+    linears = [module for module in compact.modules() if isinstance(module, BlockLinear)]
+    assert linears and {linear.weight.activations for linear in linears} == {expected}
