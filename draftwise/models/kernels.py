@@ -60,8 +60,8 @@ def _build(progress: bool) -> ModuleType | None:
             sources=[str(KERNEL_DIR / name) for name in SOURCES],
             build_directory=str(build_dir),
             # -fopenmp: ATen's parallel_for is a header template that runs on one thread unless
-            # OpenMP is on (measured: 2x slower). _contraction_flags: why fused multiply-adds
-            # only with GCC 12.
+            # OpenMP is on (measured: 2x slower). _contraction_flags: why no compiler may fuse
+            # products and sums by itself.
             extra_cflags=["-O3", *_contraction_flags(), "-fopenmp", *_arch_flags()],
             extra_ldflags=["-fopenmp"],
             verbose=False,
@@ -100,18 +100,14 @@ def _compiler() -> tuple[str, str]:
 
 
 def _contraction_flags() -> list[str]:
-    """Fused multiply-adds wherever the compiler finds a product added (-ffp-contract=fast) with
-    GCC 12, the compiler every test machine has; -ffp-contract=off with any other. The kernels'
-    bit-equalities (a row the same bits alone, in a draft, a tree or a prefill) hold only if
-    every path that computes the same output is contracted alike: GCC 12 does that, GCC 13.3
-    (Ubuntu 24.04) does not (on an Intel Xeon with AMX, a Q4_0 product's decode path and its
-    dequantised float32 path differed by an ulp, and an attention tree node from the same query
-    alone by 1.2e-7; 12 tests of tests/test_kernels.py failed), and with contraction off all
-    passed. Off costs speed where it applies (GCC 13.3, 1536x576 Q4_1, float32 activations, 1 / 4 /
-    16 / 256 rows: 62 / 90 / 240 / 2779 -> 69 / 116 / 320 / 4104 us); the lasting fix is explicit
-    fused multiply-adds in the kernels and contraction off everywhere."""
-    name, version = _compiler()
-    return ["-ffp-contract=fast"] if name == "gcc" and version.split(".")[0] == "12" else ["-ffp-contract=off"]
+    """-ffp-contract=off with every compiler: the kernels spell each fused multiply-add they mean
+    (vec.h's fmadd), and no compiler fuses any other product and sum. The kernels' bit-equalities
+    (a row the same bits alone, in a draft, a tree or a prefill) need every path that computes
+    the same output to round alike; left to contract by itself, GCC 13.3 (Ubuntu 24.04) fused a
+    Q4_0 product's decode path and not its dequantised path (an ulp apart on an Intel Xeon with
+    AMX; an attention tree node 1.2e-7 from the same query alone; 12 tests of
+    tests/test_kernels.py failed). GCC 12 happened to contract every path alike."""
+    return ["-ffp-contract=off"]
 
 
 def _arch_flags() -> list[str]:

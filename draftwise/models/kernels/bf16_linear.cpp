@@ -89,8 +89,8 @@ inline v16 dot_pairs(v16 acc, vb32 x, vb32 w) {
   std::memcpy(&b, &w_odd, 64);
   std::memcpy(&c, &x_even, 64);
   std::memcpy(&d, &w_even, 64);
-  acc = acc + a * b;  // exact products: fused or not, one rounding per sum
-  return acc + c * d;
+  acc = fmadd(a, b, acc);  // exact products: fused or not, one rounding per sum
+  return fmadd(c, d, acc);
 #endif
 }
 inline v16 dot_pairs(v16 acc, const uint16_t* x, const uint16_t* w) { return dot_pairs(acc, load32(x), load32(w)); }
@@ -135,8 +135,7 @@ struct Rounded<Blocks<Q4_K>> {
     for (int pair = 0; pair < 4; ++pair) {
       __m512i tables[R], bytes[R];
       for (int r = 0; r < R; ++r) {
-        const vb32 table = round32(scaled[r][2 * pair] * kIota - scaled[r][8 + 2 * pair],
-                                   scaled[r][2 * pair + 1] * kIota - scaled[r][9 + 2 * pair]);
+        const vb32 table = round32(q4k_table(scaled[r], 2 * pair), q4k_table(scaled[r], 2 * pair + 1));
         std::memcpy(&tables[r], &table, 64);
         bytes[r] = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block[r] + 16 + 32 * pair)));
       }

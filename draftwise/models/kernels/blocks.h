@@ -166,6 +166,9 @@ DRAFTWISE_ALWAYS_INLINE void q4k_scaled(const uint8_t* block, float* out) {
   store16(out, to_float(widen(scales)) * both);
 #endif
 }
+// Sub-block j's 16 possible weights, from q4k_scaled's out: d * scale_j * q - dmin * min_j for
+// q = 0..15 (the product exact, so one rounding, fused or not).
+DRAFTWISE_ALWAYS_INLINE v16 q4k_table(const float* scaled, int j) { return fmadd(kIota, scaled[j], -scaled[8 + j]); }
 // The same for R blocks, left in memory (in_memory): the tables' operands are then broadcasts.
 template <int R>
 DRAFTWISE_ALWAYS_INLINE void q4k_scaled(const uint8_t* const* block, float (&out)[R][16]) {
@@ -191,7 +194,7 @@ struct Blocks4 {
     vi16 q[R];
     for (int r = 0; r < R; ++r) {
       if constexpr (WITH_MIN) {
-        table[r] = splat_half(block[r]) * kIota + splat_half(block[r] + 2);
+        table[r] = fmadd(splat_half(block[r]), kIota, splat_half(block[r] + 2));
       } else {
         table[r] = splat_half(block[r]) * (kIota - 8.0f);
       }
@@ -226,8 +229,8 @@ struct Blocks5 {
       const vi16 high = (qs >> 4) | ((high_bits >> (lane + 16)) & 1) << 4;
       if constexpr (WITH_MIN) {
         const float m = half_to_float(block[r] + 2);
-        w[0][r] = d * to_float(low) + m;
-        w[1][r] = d * to_float(high) + m;
+        w[0][r] = fmadd(to_float(low), d, m);
+        w[1][r] = fmadd(to_float(high), d, m);
       } else {
         w[0][r] = d * to_float(low - 16);
         w[1][r] = d * to_float(high - 16);
@@ -274,7 +277,7 @@ struct Blocks<Q4_K> {
       v16 table[R], w[R];
       vi16 first[R], second[R];
       for (int r = 0; r < R; ++r) {
-        table[r] = scaled[r][2 * pair] * kIota - scaled[r][8 + 2 * pair];
+        table[r] = q4k_table(scaled[r], 2 * pair);
         first[r] = widen(block[r] + 16 + 32 * pair);
         second[r] = widen(block[r] + 32 + 32 * pair);
       }
@@ -282,7 +285,7 @@ struct Blocks<Q4_K> {
       use(4 * pair, w);
       for (int r = 0; r < R; ++r) w[r] = lookup(table[r], second[r]);
       use(4 * pair + 1, w);
-      for (int r = 0; r < R; ++r) table[r] = scaled[r][2 * pair + 1] * kIota - scaled[r][9 + 2 * pair];
+      for (int r = 0; r < R; ++r) table[r] = q4k_table(scaled[r], 2 * pair + 1);
       for (int r = 0; r < R; ++r) w[r] = lookup(table[r], first[r] >> 4);
       use(4 * pair + 2, w);
       for (int r = 0; r < R; ++r) w[r] = lookup(table[r], second[r] >> 4);

@@ -169,9 +169,9 @@ Activations round_rows(const float* x, int64_t M, int64_t K, int64_t Kp, int64_t
 inline float coefficient_sum(const float* coef, const float* sum, int64_t groups) {
   v16 acc = {};
   int64_t g = 0;
-  for (; g + 16 <= groups; g += 16) acc += load16(coef + g) * load16(sum + g);
+  for (; g + 16 <= groups; g += 16) acc = fmadd(load16(coef + g), load16(sum + g), acc);
   float total = horizontal_sum(acc);
-  for (; g < groups; ++g) total = __builtin_fmaf(coef[g], sum[g], total);
+  for (; g < groups; ++g) total = fmadd(coef[g], sum[g], total);
   return total;
 }
 
@@ -263,7 +263,7 @@ inline void block32_micro(Block32Rows x, Block32Rows w, float* y, int64_t Kp, in
 #pragma GCC unroll 16
       for (int j = 0; j < NUM_W; ++j) {
         const vi16 p = dot_lanes(w.bytes + j * Kp + k, q);
-        acc[i][j] += convert<v16>(p) * (load16(w.scale + j * (Kp / 4) + k / 4) * x_scale);
+        acc[i][j] = fmadd(convert<v16>(p), load16(w.scale + j * (Kp / 4) + k / 4) * x_scale, acc[i][j]);
       }
     }
   }
@@ -350,9 +350,8 @@ inline vi16 scaled_dot(vi16 acc, const uint8_t* u, const int8_t* q, const int16_
 // kernel uses (decode, verify, prefill): the exact integer lanes times d * dx, then the
 // coefficients (w.coef, per 16 columns) times the activation sums (x.sum, per 16 columns).
 inline v16 super_block_step(v16 acc, vi16 total, float scale, v16 coef, v16 sum) {
-  acc += convert<v16>(total) * scale;
-  acc += coef * sum;
-  return acc;
+  acc = fmadd(convert<v16>(total), scale, acc);
+  return fmadd(coef, sum, acc);
 }
 
 struct KquantRows {  // unpacked weight rows
@@ -602,7 +601,7 @@ inline void block32_decode(const int8_t* q, const float* x_scale, const float* x
 #pragma GCC unroll 16
     for (int i = 0; i < NUM_X; ++i) {
       const vi16 lanes = chunk_dot<FORMAT>(u, load_chunk(q + i * Kp + k));
-      acc[i] += convert<v16>(lanes) * (scale * load16(x_scale + i * (Kp / 4) + k / 4));
+      acc[i] = fmadd(convert<v16>(lanes), scale * load16(x_scale + i * (Kp / 4) + k / 4), acc[i]);
     }
   }
 #pragma GCC unroll 16
@@ -643,7 +642,7 @@ inline void block32_decode_pair(const int8_t* q, const float* x_scale, const flo
       const Chunk x = load_chunk(q + i * Kp + k);
       const v16 xs = load16(x_scale + i * (Kp / 4) + k / 4);
 #pragma GCC unroll 2
-      for (int j = 0; j < 2; ++j) acc[i][j] += convert<v16>(chunk_dot<FORMAT>(u[j], x)) * (scale[j] * xs);
+      for (int j = 0; j < 2; ++j) acc[i][j] = fmadd(convert<v16>(chunk_dot<FORMAT>(u[j], x)), scale[j] * xs, acc[i][j]);
     }
   }
 #pragma GCC unroll 16

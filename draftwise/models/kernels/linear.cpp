@@ -42,7 +42,7 @@ constexpr int64_t SKINNY_MAX_ROWS = 32;  // float-format weights, more rows than
 // acc[m][r] for the K % 16 tail and the final sum: shared by both paths, so they agree.
 inline float finish(v16 acc, const float* x, const float* w, int64_t k_vec, int64_t K) {
   float sum = horizontal_sum(acc);
-  for (int64_t k = k_vec; k < K; ++k) sum = __builtin_fmaf(x[k], w[k], sum);
+  for (int64_t k = k_vec; k < K; ++k) sum = fmadd(x[k], w[k], sum);
   return sum;
 }
 
@@ -67,7 +67,7 @@ inline void micro(const float* x, int64_t x_stride, const float* w, int64_t w_st
     for (int i = 0; i < NUM_X; ++i) {
       const v16 xs = in_register(load16(x + i * x_stride + k));  // one load per row of x
 #pragma GCC unroll 8
-      for (int j = 0; j < NUM_W; ++j) acc[i][j] += xs * weights[j];
+      for (int j = 0; j < NUM_W; ++j) acc[i][j] = fmadd(xs, weights[j], acc[i][j]);
     }
   }
   if (ends.y != nullptr) return store_sums<NUM_X, NUM_W>(acc, ends.y, ends.y_stride);
@@ -159,7 +159,7 @@ inline void fused_slice(const float* x, const uint8_t* const* rows, v16* partial
       for (int i = 0; i < NUM_X; ++i) {
         const v16 xs = load16(xb + i * K + 16 * g);
 #pragma GCC unroll 4
-        for (int j = 0; j < NUM_W; ++j) acc[i][j] += xs * w[j];
+        for (int j = 0; j < NUM_W; ++j) acc[i][j] = fmadd(xs, w[j], acc[i][j]);
       }
     });
     for (int j = 0; j < NUM_W; ++j) block[j] += B::BYTES;

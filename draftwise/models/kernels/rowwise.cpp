@@ -125,10 +125,10 @@ inline float ordered_sum_of_squares(const float* x, int64_t n) {
   int64_t k = 0;
   for (; k + 16 <= n; k += 16) {
     const v16 v = load16(x + k);
-    acc += v * v;
+    acc = fmadd(v, v, acc);
   }
   float sum = horizontal_sum(acc);
-  for (; k < n; ++k) sum = __builtin_fmaf(x[k], x[k], sum);
+  for (; k < n; ++k) sum = fmadd(x[k], x[k], sum);
   return sum;
 }
 
@@ -153,7 +153,7 @@ inline void widen_rows(const uint16_t* rows, int64_t first, int64_t last, int64_
 template <typename E>
 __attribute__((always_inline)) inline float dot(const float* a, const E* b, int64_t D) {  // D % 16 == 0
   v16 acc = load16(a) * load16(b);
-  for (int64_t d = 16; d < D; d += 16) acc += load16(a + d) * load16(b + d);
+  for (int64_t d = 16; d < D; d += 16) acc = fmadd(load16(a + d), load16(b + d), acc);
   return horizontal_sum(acc);
 }
 
@@ -179,7 +179,7 @@ __attribute__((always_inline)) inline void dot4(const float* const* a, const E* 
     for (int r = 0; r < 4; ++r) {
       const v16 key = load16(b + r * D + d);
 #pragma GCC unroll 4
-      for (int h = 0; h < NQ; ++h) acc[h][r] += query[h] * key;
+      for (int h = 0; h < NQ; ++h) acc[h][r] = fmadd(query[h], key, acc[h][r]);
     }
   }
 #pragma GCC unroll 4
@@ -210,7 +210,7 @@ inline void weighted_sum(const float* const* weights, const int32_t* keys, int64
     for (int n = 0; n < N; ++n) {
       const v16 value = load16(v + 16 * n);
 #pragma GCC unroll 4
-      for (int h = 0; h < NH; ++h) acc[h][n] = acc[h][n] + weight[h] * value;
+      for (int h = 0; h < NH; ++h) acc[h][n] = fmadd(weight[h], value, acc[h][n]);
     }
   }
 #pragma GCC unroll 4
@@ -405,7 +405,9 @@ void attend(const AttentionSpan& span, int64_t chunks, int64_t item, int64_t H, 
   const bool causal = span.mask == nullptr;
   const bool* mp = span.mask;
   const int64_t width = span.mask_width ? span.mask_width : T, mask_first = total - width;  // the mask's slots
-  const auto [g, t0, nt] = item_rows(span, chunks, item);
+  // Plain variables, not a structured binding: the lambdas below capture them (clang < 16 cannot).
+  const ItemRows share = item_rows(span, chunks, item);
+  const int64_t g = share.g, t0 = share.t0, nt = share.nt;
   const E* K = static_cast<const E*>(span.keys) + g * span.k_stride;
   const E* V = static_cast<const E*>(span.values) + g * span.v_stride;
   const int64_t end = causal ? start + t0 + nt : total;  // no query here sees past slot end - 1
@@ -543,7 +545,7 @@ void attend(const AttentionSpan& span, int64_t chunks, int64_t item, int64_t H, 
       float* a = acc + query * D;
       for (int64_t c = 0; c < c1 - c0; ++c) {
         const auto* v = values + int64_t(rows[c]) * D;
-        for (int64_t d = 0; d < D; d += 16) store16(a + d, load16(a + d) + w[c] * load16(v + d));
+        for (int64_t d = 0; d < D; d += 16) store16(a + d, fmadd(w[c], load16(v + d), load16(a + d)));
       }
     }
   };

@@ -183,10 +183,60 @@ inline v16 broadcast16(const float& x) {
   v16 out;
   std::memcpy(&out, &v, sizeof out);
   return out;
+#elif defined(DRAFTWISE_V16_PAIR)
+  const v8 half = v8(_mm256_set1_ps(x));
+  return {half, half};
 #else
-  return v16{} + x;
+  v16 out;
+  for (int i = 0; i < 16; ++i) out[i] = x;
+  return out;
 #endif
 }
+
+// a * b + c, lane by lane, rounded once (a fused multiply-add) where the CPU has the instruction,
+// twice (product, then sum) where it has none. The kernels are compiled with -ffp-contract=off
+// and spell every fused multiply-add they mean with fmadd: then the source alone fixes each
+// output's roundings, and every path computing the same output (a decode step's registers, a
+// prefill's dequantised tile, a tree node's attention or the same query alone) rounds alike
+// whatever the compiler. Left to contract products and sums itself, GCC 13.3 fused them in some
+// inlined copies of a loop and not in others (a Q4_0 product's two paths an ulp apart).
+#if defined(__FMA__) || defined(__AVX512F__) || defined(__ARM_FEATURE_FMA)
+#define DRAFTWISE_HARDWARE_FMA 1
+#endif
+inline float fmadd(float a, float b, float c) {
+#if defined(DRAFTWISE_HARDWARE_FMA)
+  return __builtin_fmaf(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+inline v8 fmadd(v8 a, v8 b, v8 c) {
+#if defined(__FMA__)
+  return v8(_mm256_fmadd_ps(__m256(a), __m256(b), __m256(c)));
+#elif defined(DRAFTWISE_HARDWARE_FMA)
+  for (int i = 0; i < 8; ++i) c[i] = __builtin_fmaf(a[i], b[i], c[i]);
+  return c;
+#else
+  return a * b + c;
+#endif
+}
+inline v16 fmadd(v16 a, v16 b, v16 c) {
+#if defined(__AVX512F__)
+  return v16(_mm512_fmadd_ps(__m512(a), __m512(b), __m512(c)));
+#elif defined(DRAFTWISE_V16_PAIR)
+  return {fmadd(a.lo, b.lo, c.lo), fmadd(a.hi, b.hi, c.hi)};
+#elif defined(DRAFTWISE_HARDWARE_FMA)
+  for (int i = 0; i < 16; ++i) c[i] = __builtin_fmaf(a[i], b[i], c[i]);
+  return c;
+#else
+  return a * b + c;
+#endif
+}
+// A scalar operand stands for itself in every lane.
+inline v16 fmadd(v16 a, float b, v16 c) { return fmadd(a, broadcast16(b), c); }
+inline v16 fmadd(float a, v16 b, v16 c) { return fmadd(broadcast16(a), b, c); }
+inline v16 fmadd(v16 a, v16 b, float c) { return fmadd(a, b, broadcast16(c)); }
+inline v16 fmadd(v16 a, float b, float c) { return fmadd(a, broadcast16(b), broadcast16(c)); }
 
 // values, read from memory from here on: GCC would otherwise keep an array of scales it has
 // just stored in a register and broadcast each one with a lane permute (one more instruction
@@ -241,16 +291,16 @@ inline v16 exp16(v16 x) {
   const v16 lo = v16{} - 87.0f;
   x = select(x < lo, lo, x);  // e^-87 ~ 1.6e-38: still a normal float
   const v16 magic = v16{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  v16 n = (x * 1.44269504088896341f + magic) - magic;
-  v16 r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
+  v16 n = fmadd(x, 1.44269504088896341f, magic) - magic;
+  v16 r = fmadd(n, -0.693359375f, x);
+  r = fmadd(n, 2.12194440e-4f, r);
   v16 p = v16{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * (r * r) + r + 1.0f;
+  p = fmadd(p, r, 1.3981999507e-3f);
+  p = fmadd(p, r, 8.3334519073e-3f);
+  p = fmadd(p, r, 4.1665795894e-2f);
+  p = fmadd(p, r, 1.6666665459e-1f);
+  p = fmadd(p, r, 5.0000001201e-1f);
+  p = fmadd(p, r * r, r) + 1.0f;
   const vi16 bits = (convert<vi16>(n) + 127) << 23;  // 2^n
   return p * bitcast<v16>(bits);
 }
