@@ -168,7 +168,7 @@ DRAFTWISE_ALWAYS_INLINE void q4k_scaled(const uint8_t* block, float* out) {
 }
 // Sub-block j's 16 possible weights, from q4k_scaled's out: d * scale_j * q - dmin * min_j for
 // q = 0..15 (the product exact, so one rounding, fused or not).
-DRAFTWISE_ALWAYS_INLINE v16 q4k_table(const float* scaled, int j) { return fmadd(kIota, scaled[j], -scaled[8 + j]); }
+DRAFTWISE_ALWAYS_INLINE v16 q4k_table(const float* scaled, int j) { return fmsub(kIota, scaled[j], scaled[8 + j]); }
 // The same for R blocks, left in memory (in_memory): the tables' operands are then broadcasts.
 template <int R>
 DRAFTWISE_ALWAYS_INLINE void q4k_scaled(const uint8_t* const* block, float (&out)[R][16]) {

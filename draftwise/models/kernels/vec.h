@@ -232,11 +232,23 @@ inline v16 fmadd(v16 a, v16 b, v16 c) {
   return a * b + c;
 #endif
 }
+// a * b - c, rounded as fmadd(a, b, -c) (one instruction where fused: no negation of c first).
+inline v16 fmsub(v16 a, v16 b, v16 c) {
+#if defined(__AVX512F__)
+  return v16(_mm512_fmsub_ps(__m512(a), __m512(b), __m512(c)));
+#elif defined(DRAFTWISE_V16_PAIR) && defined(__FMA__)
+  return {v8(_mm256_fmsub_ps(__m256(a.lo), __m256(b.lo), __m256(c.lo))),
+          v8(_mm256_fmsub_ps(__m256(a.hi), __m256(b.hi), __m256(c.hi)))};
+#else
+  return fmadd(a, b, -c);
+#endif
+}
 // A scalar operand stands for itself in every lane.
 inline v16 fmadd(v16 a, float b, v16 c) { return fmadd(a, broadcast16(b), c); }
 inline v16 fmadd(float a, v16 b, v16 c) { return fmadd(broadcast16(a), b, c); }
 inline v16 fmadd(v16 a, v16 b, float c) { return fmadd(a, b, broadcast16(c)); }
 inline v16 fmadd(v16 a, float b, float c) { return fmadd(a, broadcast16(b), broadcast16(c)); }
+inline v16 fmsub(v16 a, float b, float c) { return fmsub(a, broadcast16(b), broadcast16(c)); }
 
 // values, read from memory from here on: GCC would otherwise keep an array of scales it has
 // just stored in a register and broadcast each one with a lane permute (one more instruction
