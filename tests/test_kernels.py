@@ -434,6 +434,27 @@ def test_a_failed_build_warns_once_with_the_fix_and_falls_back(monkeypatch):
         assert kernels_module.native_kernels(progress=False) is None
 
 
+def test_a_failed_build_names_the_compilers_error_and_its_fix_not_the_command(monkeypatch):
+    """PyTorch's message opens with the whole compile command; the warning gives the compiler's
+    error line instead (clang without libomp-dev's headers, as met with clang 14)."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    def no_openmp(*args, **kwargs):
+        raise RuntimeError("Error building extension 'draftwise_kernels': [1/8] clang++-14 -MMD -MF linear.o.d "
+                           "-O3 -ffp-contract=off -fopenmp -march=native -c linear.cpp -o linear.o\n"
+                           "FAILED: linear.o\nIn file included from linear.cpp:4:\n"
+                           "torch/include/ATen/ParallelOpenMP.h:12:10: fatal error: 'omp.h' file not found\n"
+                           "1 error generated.")
+
+    monkeypatch.setattr(cpp_extension, "load", no_openmp)
+    monkeypatch.setattr(kernels_module, "_BUILT", {})
+    with pytest.warns(RuntimeWarning) as caught:
+        assert kernels_module.native_kernels(progress=False) is None
+    message = str(caught[0].message)
+    assert "fatal error: 'omp.h' file not found" in message and "libomp-dev" in message
+    assert "-MMD" not in message
+
+
 @pytest.mark.parametrize("compiler", [("gcc", "12.2.0"), ("gcc", "13.3.0"), ("clang", "14.0.6"), ("", "")])
 def test_no_compiler_fuses_products_and_sums_by_itself_and_each_compiler_has_its_own_build(monkeypatch, compiler):
     """GCC 13.3 contracted a Q4_0 product's decode and dequantised paths differently (an ulp

@@ -67,9 +67,8 @@ def _build(progress: bool) -> ModuleType | None:
             verbose=False,
         )
     except Exception as error:  # a missing compiler or ninja shows up as several exception types
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         warnings.warn(
-            f"draftwise could not compile its CPU kernels ({first_line}). Models will run on "
+            f"draftwise could not compile its CPU kernels ({_build_failure(error)}). Models will run on "
             "PyTorch's own ops over float32 weights (GGUF blocks dequantised at load): correct, but "
             "slower and 7x the memory for 4-bit files, and greedy speculation then equals plain "
             "decoding only as far as those ops round a k-token forward like k one-token ones (the "
@@ -80,6 +79,18 @@ def _build(progress: bool) -> ModuleType | None:
         )
         return None
     return module
+
+
+def _build_failure(error: Exception) -> str:
+    """What went wrong, in a line: the compiler's first error (PyTorch's message opens with the
+    whole compile command), with the fix where it is known."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    reason = next((line for line in lines if "error:" in line), lines[0])
+    if "omp.h" in reason:  # clang without its OpenMP runtime's headers
+        reason += "; the compiler has no OpenMP headers: install them (clang: libomp-dev) or set CXX=g++"
+    return reason
 
 
 @functools.cache
