@@ -210,14 +210,17 @@ inline float fmadd(float a, float b, float c) {
   return a * b + c;
 #endif
 }
+// fmadd lane by lane, for a vector width with no instruction of its own here.
+template <typename V>
+inline V fmadd_lanes(V a, V b, V c) {
+  for (int i = 0; i < int(sizeof(V) / sizeof(float)); ++i) c[i] = fmadd(a[i], b[i], c[i]);
+  return c;
+}
 inline v8 fmadd(v8 a, v8 b, v8 c) {
 #if defined(__FMA__)
   return v8(_mm256_fmadd_ps(__m256(a), __m256(b), __m256(c)));
-#elif defined(DRAFTWISE_HARDWARE_FMA)
-  for (int i = 0; i < 8; ++i) c[i] = __builtin_fmaf(a[i], b[i], c[i]);
-  return c;
 #else
-  return a * b + c;
+  return fmadd_lanes(a, b, c);
 #endif
 }
 inline v16 fmadd(v16 a, v16 b, v16 c) {
@@ -225,11 +228,8 @@ inline v16 fmadd(v16 a, v16 b, v16 c) {
   return v16(_mm512_fmadd_ps(__m512(a), __m512(b), __m512(c)));
 #elif defined(DRAFTWISE_V16_PAIR)
   return {fmadd(a.lo, b.lo, c.lo), fmadd(a.hi, b.hi, c.hi)};
-#elif defined(DRAFTWISE_HARDWARE_FMA)
-  for (int i = 0; i < 16; ++i) c[i] = __builtin_fmaf(a[i], b[i], c[i]);
-  return c;
 #else
-  return a * b + c;
+  return fmadd_lanes(a, b, c);
 #endif
 }
 // a * b - c, rounded as fmadd(a, b, -c) (one instruction where fused: no negation of c first).
