@@ -104,7 +104,7 @@ inline v16 splat_half(const uint8_t* p) {
   v16 out;
   std::memcpy(&out, &v, sizeof out);
   return out;
-#elif defined(__F16C__) && defined(__AVX__)
+#elif defined(DRAFTWISE_V16_PAIR) && defined(__F16C__)  // a v16 of two 256-bit halves (join)
   uint16_t bits;
   std::memcpy(&bits, p, 2);
   const __m256 half = _mm256_cvtph_ps(_mm_set1_epi16(int16_t(bits)));  // exact, as half_to_float
