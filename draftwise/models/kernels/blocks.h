@@ -12,7 +12,7 @@
 // Where the values of a block are at most 4 bits (Q4_0, Q4_1, Q4_K), the 16 possible weights
 // of a (sub-)block are computed once into a table and each weight is a table lookup of its
 // nibble (one permute instead of a mask, a conversion and a multiply-add): the same float
-// for the same nibble, as the formula gives it. (On AVX2 alone Q4_0 and Q4_1 use the formula:
+// for the same nibble, as the formula gives it. (On AVX2 alone every format uses the formula:
 // a lookup there takes two permutes and a blend per 8 lanes.)
 //
 // Blocks<FORMAT>::decode<R>(blocks, use) calls use(g, w) for g = 0, 1, ... (the groups of 16
@@ -296,13 +296,29 @@ struct Blocks<Q4_K> {
     q4k_scaled(block, scaled);
 #pragma GCC unroll 4
     for (int pair = 0; pair < 4; ++pair) {
-      v16 table[R], w[R];
+      v16 w[R];
       vi16 first[R], second[R];
       for (int r = 0; r < R; ++r) {
-        table[r] = q4k_table(scaled[r], 2 * pair);
         first[r] = widen(block[r] + 16 + 32 * pair);
         second[r] = widen(block[r] + 32 + 32 * pair);
       }
+#if defined(DRAFTWISE_V16_PAIR)
+      // AVX2: the formula, as Blocks4 does: q4k_table's own multiply-add with the nibble in
+      // place of the table's index, so the same float.
+      const auto weights = [&](int r, int j, vi16 nibbles) DRAFTWISE_INLINE_LAMBDA {
+        return fmsub(to_float(nibbles), scaled[r][j], scaled[r][8 + j]);
+      };
+      for (int r = 0; r < R; ++r) w[r] = weights(r, 2 * pair, first[r] & 15);
+      use(4 * pair, w);
+      for (int r = 0; r < R; ++r) w[r] = weights(r, 2 * pair, second[r] & 15);
+      use(4 * pair + 1, w);
+      for (int r = 0; r < R; ++r) w[r] = weights(r, 2 * pair + 1, first[r] >> 4);
+      use(4 * pair + 2, w);
+      for (int r = 0; r < R; ++r) w[r] = weights(r, 2 * pair + 1, second[r] >> 4);
+      use(4 * pair + 3, w);
+#else
+      v16 table[R];
+      for (int r = 0; r < R; ++r) table[r] = q4k_table(scaled[r], 2 * pair);
       for (int r = 0; r < R; ++r) w[r] = lookup(table[r], first[r]);
       use(4 * pair, w);
       for (int r = 0; r < R; ++r) w[r] = lookup(table[r], second[r]);
@@ -312,6 +328,7 @@ struct Blocks<Q4_K> {
       use(4 * pair + 2, w);
       for (int r = 0; r < R; ++r) w[r] = lookup(table[r], second[r] >> 4);
       use(4 * pair + 3, w);
+#endif
     }
   }
 };
@@ -340,6 +357,19 @@ struct Blocks<Q6_K> {
                                         _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(high, shift23), two), 4));
     _mm512_storeu_si512(out, _mm512_sub_epi8(v01, bias));
     _mm512_storeu_si512(out + 64, _mm512_sub_epi8(v23, bias));
+#elif defined(__AVX2__)
+    // 32 values (one s) per 256-bit register; 16-bit shifts, then byte masks keep each byte's own bits.
+    const __m256i low[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql)),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32))};
+    const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
+    const __m256i nibble = _mm256_set1_epi8(15), two = _mm256_set1_epi8(3), bias = _mm256_set1_epi8(32);
+#pragma GCC unroll 4
+    for (int s = 0; s < 4; ++s) {
+      const __m256i value = _mm256_or_si256(
+          _mm256_and_si256(_mm256_srli_epi16(low[s % 2], 4 * (s / 2)), nibble),
+          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 2 * s), two), 4));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * s), _mm256_sub_epi8(value, bias));
+    }
 #else
     for (int s = 0; s < 4; ++s)
       for (int l = 0; l < 32; ++l)
