@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from gguf import GGUFReader, quants
+from gguf import quants
 
 from draftwise.models import kernels as kernels_module
+from draftwise.models.gguf_index import read_index
 from draftwise.models.linear import BlockLinear, BlockWeight, WeightFormat
 
 
@@ -24,11 +25,14 @@ def kernels():
 
 
 @functools.cache
-def _reader(name: str) -> GGUFReader:  # parsed once per file: ~4 s each for the 0.5B
+def _tensors(name: str) -> tuple[np.memmap, list]:
+    # draftwise's own tensor table (tests/test_gguf_index.py checks it against gguf-py's reader,
+    # which takes ~15 s to parse the 0.5B's metadata)
     from draftwise.models import loading
 
     loading.resolve(name, auto_fetch=True, progress=False)
-    return GGUFReader(loading.gguf_source(name))
+    path = loading.gguf_source(name)
+    return np.memmap(path, dtype=np.uint8, mode="r"), read_index(path)
 
 
 @functools.cache
@@ -36,9 +40,12 @@ def real_blocks(format: WeightFormat, num_rows: int = 48):
     """Rows of a real tensor in format from the packaged GGUF files (SmolLM2: Q4_1, Q8_0;
     Qwen2.5-Coder-0.5B: Q5_0, Q4_K, Q6_K, Q8_0)."""
     for name in ("smollm2-135m", "qwen2.5-coder-0.5b"):
-        for tensor in _reader(name).tensors:
-            if tensor.tensor_type == format and len(tensor.shape) == 2:
-                return torch.from_numpy(np.array(tensor.data[:num_rows])), int(tensor.shape[0])
+        file, entries = _tensors(name)
+        for entry in entries:
+            if entry.format == format and len(entry.shape) == 2:
+                row_bytes = entry.num_bytes // entry.shape[1]
+                rows = file[entry.offset:entry.offset + num_rows * row_bytes].reshape(num_rows, row_bytes)
+                return torch.from_numpy(np.array(rows)), int(entry.shape[0])
     raise AssertionError(f"no {format.name} tensor in the packaged models")
 
 

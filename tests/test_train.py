@@ -119,10 +119,18 @@ def test_bench_prompts_are_never_training_data(tmp_path):
     assert kept == [[{"role": "user", "content": "keep me"}]] and dropped == 1
 
 
-def test_a_malformed_prompts_file_is_refused_with_its_line(tmp_path):
+@pytest.mark.parametrize("line, problem", [
+    ('{"text": "no"}', "prompt"),
+    ('{"prompt": ["a", "list"]}', "not text"),
+    ('["a", "list"]', "not an object"),
+    ('{"messages": []}', "non-empty list"),
+    ('{"messages": [{"role": "user", "content": ["x"]}]}', "content"),
+    ('{"prompt": ', "Expecting value"),
+])
+def test_a_malformed_prompts_file_is_refused_with_its_line(tmp_path, line, problem):
     path = tmp_path / "p.jsonl"
-    path.write_text('{"prompt": "ok"}\n{"text": "no"}\n')
-    with pytest.raises(ConfigError, match=r"p.jsonl:2"):
+    path.write_text('{"prompt": "ok"}\n' + line + "\n")
+    with pytest.raises(ConfigError, match=rf"p.jsonl:2 .*{problem}"):
         read_prompts(path)
 
 

@@ -170,6 +170,24 @@ def write_follow_ups(model, tokenizer, chats: list[list[dict]], answers: list[st
     return [[*history, {"role": "user", "content": question}] for history, question in zip(histories, questions)]
 
 
+def _chat(record) -> list[dict]:
+    """One JSONL record as a chat; TypeError / KeyError / ValueError naming what is wrong."""
+    if not isinstance(record, dict):
+        raise TypeError(f"a {type(record).__name__}, not an object")
+    if "messages" not in record:
+        if not isinstance(record["prompt"], str):
+            raise TypeError(f"\"prompt\" is a {type(record['prompt']).__name__}, not text")
+        return [{"role": "user", "content": record["prompt"]}]
+    messages = record["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("\"messages\" is not a non-empty list")
+    for message in messages:
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
+                or not isinstance(message.get("content"), str):
+            raise ValueError(f"message {message!r} lacks a text \"role\" and \"content\"")
+    return messages
+
+
 def read_prompts(path: Path) -> list[list[dict]]:
     """A JSONL file, one prompt per line: {"prompt": "..."} or {"messages": [{"role": ..., "content": ...}]}."""
     chats = []
@@ -177,11 +195,10 @@ def read_prompts(path: Path) -> list[list[dict]]:
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
-            chats.append(record["messages"] if "messages" in record else [{"role": "user", "content": record["prompt"]}])
-        except (json.JSONDecodeError, KeyError, TypeError) as error:
+            chats.append(_chat(json.loads(line)))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as error:
             raise ConfigError(f"{path}:{number} is not a prompt record ({error}): each line needs "
-                              "\"prompt\" (text) or \"messages\" (chat).") from None
+                              "\"prompt\" (text) or \"messages\" (a list of {\"role\": ..., \"content\": text}).") from None
     if not chats:
         raise ConfigError(f"{path} holds no prompt.")
     return chats

@@ -1,0 +1,84 @@
+"""draftwise's own GGUF tensor table (models/gguf_index.py) against gguf-py's reader: the same
+tensors, formats, shapes and bytes, on the packaged SmolLM2 file and on files gguf-py writes with
+every kind of metadata; broken files refused with the reason."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, quants
+
+from draftwise.errors import ModelLoadError
+from draftwise.models import loading
+from draftwise.models.gguf_index import GGUFFormatError, read_index
+from draftwise.models.gguf_weights import read_blocks
+
+
+def _agrees_with_gguf_py(path) -> int:
+    ours = read_index(path)
+    theirs = GGUFReader(path).tensors
+    assert [e.name for e in ours] == [t.name for t in theirs]
+    file = np.memmap(path, dtype=np.uint8, mode="r")
+    for entry, tensor in zip(ours, theirs):
+        assert entry.format == tensor.tensor_type and entry.shape == tuple(int(d) for d in tensor.shape)
+        assert entry.offset == tensor.data_offset and entry.num_bytes == tensor.n_bytes
+        assert np.array_equal(file[entry.offset:entry.offset + entry.num_bytes], np.asarray(tensor.data).view(np.uint8).ravel())
+    return len(ours)
+
+
+def test_the_packaged_smollm2_file_reads_as_gguf_py_reads_it():
+    loading.resolve("smollm2-135m", auto_fetch=True, progress=False)
+    assert _agrees_with_gguf_py(loading.gguf_source("smollm2-135m")) == 272
+
+
+def _write(path, alignment: int | None = None) -> None:
+    writer = GGUFWriter(path, "llama")
+    if alignment is not None:
+        writer.add_custom_alignment(alignment)
+    # Every kind of metadata value a reader must step over, tokenizer-sized string arrays included.
+    writer.add_string("tokenizer.ggml.model", "gpt2")
+    writer.add_array("tokenizer.ggml.tokens", [f"token{i}" * (i % 5) for i in range(3000)])
+    writer.add_array("tokenizer.ggml.scores", [float(i) for i in range(300)])
+    writer.add_array("nested", [[1, 2, 3], [4, 5]])
+    writer.add_uint64("a.uint64", 2**40)
+    writer.add_bool("a.bool", True)
+    writer.add_float64("a.float64", 0.5)
+    writer.add_int8("a.int8", -3)
+    rng = np.random.default_rng(0)
+    weights = rng.standard_normal((8, 64)).astype(np.float32)
+    writer.add_tensor("blk.0.attn_q.weight", quants.quantize(weights, GGMLQuantizationType.Q8_0),
+                      raw_dtype=GGMLQuantizationType.Q8_0)
+    writer.add_tensor("blk.0.attn_norm.weight", rng.standard_normal(64).astype(np.float32))
+    writer.add_tensor("blk.0.ffn_up.weight", weights.astype(np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("alignment", [None, 64, 256])
+def test_files_written_by_gguf_py_read_alike(tmp_path, alignment):
+    path = tmp_path / "m.gguf"
+    _write(path, alignment)
+    assert _agrees_with_gguf_py(path) == 3
+    blocks = read_blocks(path, "qwen2", 1, 1)  # no row reordering outside llama
+    assert blocks["model.layers.0.input_layernorm.weight"].shape == (64,)
+    rows, format, columns = blocks["model.layers.0.self_attn.q_proj.weight"]
+    assert format == GGMLQuantizationType.Q8_0 and columns == 64 and tuple(rows.shape) == (8, 2 * 34)
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (lambda data: b"", "empty"),
+    (lambda data: b"GGML" + data[4:], "magic"),
+    (lambda data: data[:4] + (7).to_bytes(4, "little") + data[8:], "version 7"),
+    (lambda data: data[:200], "truncated"),
+    (lambda data: data[:-100], "past the end"),
+])
+def test_a_broken_file_is_refused_with_the_reason(tmp_path, damage, reason):
+    path = tmp_path / "m.gguf"
+    _write(path)
+    path.write_bytes(damage(path.read_bytes()))
+    with pytest.raises(GGUFFormatError, match=reason):
+        read_index(path)
+    with pytest.raises(ModelLoadError, match=f"could not read .* as a GGUF file: .*{reason}"):
+        read_blocks(path, "llama", 1, 1)
