@@ -36,6 +36,7 @@ class Sequence:
     context: torch.Tensor = field(init=False)  # committed tokens: prompt, then output
     num_prefilled: int = 0  # prompt tokens already in the cache
     finish_reason: str | None = None  # "stop" or "length" once finished; "cancelled" if dropped
+    stop_token: int | None = None  # the end-of-sequence token that finished it (not in the output)
     started: float = field(default_factory=time.perf_counter)
 
     def __post_init__(self) -> None:
@@ -54,6 +55,7 @@ class Sequence:
         cut the output at the same place whatever the number of tokens a step produced."""
         for token in tokens:
             if token in self.eos:
+                self.stop_token = token
                 self.finish("stop")
                 return
             self.context = torch.cat((self.context, torch.tensor([token])))

@@ -59,18 +59,20 @@ def test_training_writes_a_head_with_its_record_and_resumes(trained, smollm2_tok
     assert second["learning_rate"] == 1e-3  # the default for a 576-wide head
 
 
-def test_magpie_writes_system_prompts_questions_under_them_and_follow_ups(hf_smollm2, smollm2_tokenizer):
+@pytest.mark.parametrize("decoder", ["draftwise", "transformers"])  # on the CPU / on a GPU (make_data)
+def test_magpie_writes_system_prompts_questions_under_them_and_follow_ups(request, decoder, smollm2_tokenizer):
     from draftwise.train.data import write_follow_ups, write_questions, write_system_prompts
 
+    model = request.getfixturevalue("smollm2" if decoder == "draftwise" else "hf_smollm2")
     tokenizer = copy.deepcopy(smollm2_tokenizer)  # the session's own keeps its padding side
     tokenizer.padding_side = "left"  # as make_data sets it for generation
-    systems = write_system_prompts(hf_smollm2, tokenizer, 2, batch_size=4, seed=0, progress=False)
+    systems = write_system_prompts(model, tokenizer, 2, batch_size=4, seed=0, progress=False)
     assert len(systems) == 2 and all(system.startswith("You are") for system in systems)
     assert systems[0] != systems[1]  # distinct: the model keeps writing until each is new
-    chats = write_questions(hf_smollm2, tokenizer, 3, batch_size=4, seed=0, progress=False, systems=systems[:1])
+    chats = write_questions(model, tokenizer, 3, batch_size=4, seed=0, progress=False, systems=systems[:1])
     assert [[m["role"] for m in chat] for chat in chats] == [["system", "user"], ["user"], ["user"]]
     assert chats[0][0]["content"] == systems[0] and len({chat[-1]["content"] for chat in chats}) == 3
-    follow_ups = write_follow_ups(hf_smollm2, tokenizer, chats[1:], ["Paris.", "Blue."], batch_size=4, seed=0,
+    follow_ups = write_follow_ups(model, tokenizer, chats[1:], ["Paris.", "Blue."], batch_size=4, seed=0,
                                   progress=False)
     assert [[m["role"] for m in chat] for chat in follow_ups] == [["user", "assistant", "user"]] * 2
     assert [chat[1]["content"] for chat in follow_ups] == ["Paris.", "Blue."]  # the answer each follows

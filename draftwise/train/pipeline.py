@@ -90,8 +90,10 @@ def make_data(target, data_settings: DataSettings, layers: tuple[int, ...], prog
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    # Generation in bfloat16 (about 2x faster here); the labels come from the float32 pass below.
-    generator_model = AutoModelForCausalLM.from_pretrained(target.folder, dtype=torch.bfloat16).to(device).eval()
+    # On the CPU draftwise's own decoder writes and answers (data.py); on a GPU transformers in bfloat16
+    # (about 2x faster than float32 there). The labels come from the float32 pass below either way.
+    generator_model = target if device.type == "cpu" else \
+        AutoModelForCausalLM.from_pretrained(target.folder, dtype=torch.bfloat16).to(device).eval()
     if data_settings.prompts_file is not None:
         chats = datagen.read_prompts(data_settings.prompts_file)
     else:
