@@ -475,6 +475,21 @@ def test_no_compiler_fuses_products_and_sums_by_itself_and_each_compiler_has_its
     assert kernels_module._build_directory() != directory
 
 
+def test_each_checkout_of_the_same_sources_has_its_own_build(monkeypatch, tmp_path):
+    """PyTorch's builder writes the sources' paths into the build: a build shared by two checkouts
+    was rebuilt whenever the other one loaded it."""
+    import shutil
+
+    directory = kernels_module._build_directory()
+    copy = tmp_path / "kernels"
+    shutil.copytree(kernels_module.KERNEL_DIR, copy)
+    monkeypatch.setattr(kernels_module, "KERNEL_DIR", copy)
+    copy_directory = kernels_module._build_directory()
+    assert copy_directory != directory
+    monkeypatch.setattr(kernels_module, "KERNEL_DIR", copy / ".." / "kernels")  # the same folder, spelled otherwise
+    assert kernels_module._build_directory() == copy_directory
+
+
 def test_attention_without_the_kernels_reads_a_bfloat16_cache(monkeypatch, kernels):
     from draftwise.models import ops
 

@@ -144,12 +144,17 @@ def has_vnni() -> bool:
 
 def _build_directory() -> Path:
     """One build per torch version, kernel sources and CPU: a cache shared by machines of
-    different CPUs must not hand one machine's -march=native library to another."""
+    different CPUs must not hand one machine's -march=native library to another. And one per
+    checkout (the sources' folder): PyTorch's builder writes the sources' paths into the build's
+    ninja file, so two checkouts of the same sources sharing a build rebuilt it (90-185 s on
+    2 cores) every time a process of the other one loaded it (seen 2026-11-27: a CI run in a
+    clone beside /work/main rebuilt the kernels at least four times and took 34 minutes)."""
     cpu = platform.processor() or platform.machine()
     flags = _cpu_flags_line()
     if flags:
         cpu += flags
     sources = b"".join(path.read_bytes() for path in sorted(KERNEL_DIR.glob("*.[ch]*")))
     compiler = "|".join(_compiler()) + "|" + " ".join(_contraction_flags())  # another compiler, another build
-    key = hashlib.sha256(f"{torch.__version__}|{cpu}|{compiler}".encode() + sources).hexdigest()[:12]
+    checkout = str(KERNEL_DIR.resolve())
+    key = hashlib.sha256(f"{torch.__version__}|{cpu}|{compiler}|{checkout}".encode() + sources).hexdigest()[:12]
     return registry.cache_root() / "kernels" / f"draftwise_kernels-{key}"
