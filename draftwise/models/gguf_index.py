@@ -18,6 +18,7 @@ length and its bytes; an array a uint32 element type, a uint64 count and the ele
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -104,11 +105,11 @@ def read_index(path: Path) -> list[TensorEntry]:
         if size == 0:
             raise GGUFFormatError(f"{path} is empty")
         with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as buffer:
-            return _read(_Cursor(buffer, path), size)
+            return _read(_Cursor(buffer, path))
 
 
-def _read(cursor: _Cursor, size: int) -> list[TensorEntry]:
-    path = cursor.path
+def _read(cursor: _Cursor) -> list[TensorEntry]:
+    path, size = cursor.path, len(cursor.buffer)
     if cursor.buffer[:4] != MAGIC:
         raise GGUFFormatError(f"{path} does not start with GGUF's magic bytes")
     cursor.at = 4
@@ -129,7 +130,7 @@ def _read(cursor: _Cursor, size: int) -> list[TensorEntry]:
             cursor.skip_value(value_type)
     infos = []
     for _ in range(tensor_count):
-        name = bytes(cursor.string()).decode("utf-8", errors="replace")
+        name = cursor.string().decode("utf-8", errors="replace")
         num_dims = cursor.number("<I")
         shape = cursor.unpack(f"<{num_dims}Q")
         type_code, offset = cursor.unpack("<IQ")
@@ -142,10 +143,7 @@ def _read(cursor: _Cursor, size: int) -> list[TensorEntry]:
     entries = []
     for name, format, shape, offset in infos:
         block_size, type_size = GGML_QUANT_SIZES[format]
-        elements = 1
-        for dim in shape:
-            elements *= dim
-        entry = TensorEntry(name, format, shape, start + offset, elements // block_size * type_size)
+        entry = TensorEntry(name, format, shape, start + offset, math.prod(shape) // block_size * type_size)
         if entry.offset + entry.num_bytes > size:
             raise GGUFFormatError(f"{path}: tensor {name} runs past the end of the file (truncated download?)")
         entries.append(entry)

@@ -243,11 +243,13 @@ def answer(model, tokenizer, chats: list[list[dict]], max_new_tokens: int, batch
     in batches of similar length to pad less."""
     rendered = [tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) for chat in chats]
     order = sorted(range(len(rendered)), key=lambda index: len(rendered[index]))
-    if hasattr(model, "generation_config"):  # transformers
+    from draftwise.models.loading import LoadedModel
+
+    if isinstance(model, LoadedModel):  # draftwise's decoder, as _generate tells them apart
+        configured = list(model.model.info.eos_token_ids)
+    else:  # transformers
         configured = model.generation_config.eos_token_id
         configured = [] if configured is None else [configured] if isinstance(configured, int) else list(configured)
-    else:  # draftwise's LoadedModel
-        configured = list(model.model.info.eos_token_ids)
     stop_ids = {tokenizer.eos_token_id, *configured}
     conversations: list[Conversation | None] = [None] * len(chats)
     for first in tqdm(range(0, len(order), batch_size), desc="answering", unit="batch", disable=not progress):
