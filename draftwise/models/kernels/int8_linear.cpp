@@ -484,6 +484,90 @@ inline void kquant_decode(RoundedRows x, const float* x_d, const uint8_t* row, f
   for (int i = 0; i < NUM_X; ++i) y[i * N] = horizontal_sum(acc[i]);
 }
 constexpr bool FUSED = true;
+#elif defined(DRAFTWISE_V16_PAIR)
+// AVX2: the same product with 256-bit registers, 32 columns each: one Q4_K sub-block (a 32-byte
+// load: its low nibbles, then the next sub-block in its high ones) or two Q6_K ones, so each
+// register's int16 pairs take one sub-scale (two for Q6_K, one per 128-bit lane) broadcast
+// from a scalar: no lane shuffles. The lanes hold the columns they hold in kquant_micro and
+// AVX-512's kquant_decode (a chunk's first 32 columns in lanes 0-7), the integers are exact and
+// the float steps are super_block_step's, so the bits are the same. Before, AVX2 unpacked each
+// weight row into memory first (a byte and an int16 sub-scale per weight, written and read
+// back): int8 activations were no faster than float32 there.
+// In-lane byte-shuffle control that puts int16 word `first` of a 128-bit table in every word of
+// a register's low lane and word `second` in its high lane.
+inline __m256i pick_words(int first, int second) {
+  const auto word = [](int w) { return _mm_set1_epi16(int16_t(((2 * w + 1) << 8) | (2 * w))); };
+  return _mm256_set_m128i(word(second), word(first));
+}
+
+template <int64_t FORMAT, int NUM_X>
+inline void kquant_decode(RoundedRows x, const float* x_d, const uint8_t* row, float* y, int64_t K, int64_t N) {
+  const int64_t blocks = K / SUPER, block_bytes = FORMAT == Q4_K ? 144 : 210;
+  const __m256i low_nibble = _mm256_set1_epi8(15), two_bits = _mm256_set1_epi8(3);
+  const auto load = [](const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); };
+  // Register h of a super-block (columns 32 h .. 32 h + 31) takes Q4_K's sub-scale h in both
+  // lanes, Q6_K's 2 h and 2 h + 1 (words 2 h % 8 and 2 h % 8 + 1 of the first or second 8).
+  alignas(32) static const __m256i q4_pick[8] = {pick_words(0, 0), pick_words(1, 1), pick_words(2, 2), pick_words(3, 3),
+                                                 pick_words(4, 4), pick_words(5, 5), pick_words(6, 6), pick_words(7, 7)};
+  alignas(32) static const __m256i q6_pick[4] = {pick_words(0, 1), pick_words(2, 3), pick_words(4, 5), pick_words(6, 7)};
+  v16 acc[NUM_X] = {};
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = row + b * block_bytes;
+    __m256i sub[8];  // the int16 sub-scales of columns 32 h .. 32 h + 31
+    float d;
+    v16 coef;
+    if constexpr (FORMAT == Q4_K) {
+      d = half_to_float(block);
+      const __m128i packed = q4k_scales_register(block + 4);  // 8 scales, then 8 mins
+      const __m256i table = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(packed));
+      for (int h = 0; h < 8; ++h) sub[h] = _mm256_shuffle_epi8(table, q4_pick[h]);
+      const __m128i mins = _mm_unpackhi_epi8(packed, packed);  // each min twice: one per 16 columns
+      const __m256 minus_dmin = _mm256_set1_ps(-half_to_float(block + 2));
+      coef = join(_mm256_mul_ps(minus_dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mins))),
+                  _mm256_mul_ps(minus_dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(mins, 8)))));
+    } else {
+      d = half_to_float(block + 208);
+      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192));  // 16 int8 scales
+      const __m256i tables[2] = {_mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(packed)),
+                                 _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_srli_si128(packed, 8)))};
+      for (int h = 0; h < 8; ++h) sub[h] = _mm256_shuffle_epi8(tables[h / 4], q6_pick[h % 4]);
+      const __m256 minus_32d = _mm256_set1_ps(-32.0f * d);
+      coef = join(_mm256_mul_ps(minus_32d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(packed))),
+                  _mm256_mul_ps(minus_32d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(packed, 8)))));
+    }
+    vi16 total[NUM_X] = {};
+#pragma GCC unroll 4
+    for (int chunk = 0; chunk < 4; ++chunk) {
+      __m256i u[2];  // the chunk's columns 0-31 and 32-63
+      if constexpr (FORMAT == Q4_K) {
+        const __m256i bytes = load(block + 16 + 32 * chunk);
+        u[0] = _mm256_and_si256(bytes, low_nibble);
+        u[1] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low_nibble);
+      } else {  // Q6_K: half chunk / 2, nibble chunk % 2 of ql, bit pairs 4 (chunk % 2) + {0, 2} of qh
+        const int half = chunk / 2, odd = chunk % 2;
+        const __m256i qh = load(block + 128 + 32 * half);
+        for (int s = 0; s < 2; ++s) {
+          const __m256i low = _mm256_and_si256(_mm256_srli_epi16(load(block + 64 * half + 32 * s), 4 * odd), low_nibble);
+          const __m256i high = _mm256_and_si256(_mm256_srli_epi16(qh, 4 * odd + 2 * s), two_bits);
+          u[s] = _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
+        }
+      }
+#pragma GCC unroll 16
+      for (int i = 0; i < NUM_X; ++i) {
+        const int8_t* q = x.q + i * K + b * SUPER + chunk * CHUNK;
+        const __m256i first = _mm256_madd_epi16(_mm256_maddubs_epi16(u[0], load(q)), sub[2 * chunk]);
+        const __m256i second = _mm256_madd_epi16(_mm256_maddubs_epi16(u[1], load(q + 32)), sub[2 * chunk + 1]);
+        total[i] = total[i] + join(first, second);
+      }
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < NUM_X; ++i)
+      acc[i] = super_block_step(acc[i], total[i], x_d[b * 16 + i] * d, coef, load16(x.sum + i * (K / 16) + b * 16));
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < NUM_X; ++i) y[i * N] = horizontal_sum(acc[i]);
+}
+constexpr bool FUSED = true;
 #else
 constexpr bool FUSED = false;
 #endif
@@ -725,8 +809,9 @@ void every_x(int64_t m0, int64_t m1, Run run) {
 }
 
 // A decode or verify step on K-quants: one weight row at a time, unpacked in registers and run
-// against up to 9 rows of x (a step of 8 draft tokens plus the last one) while it is there.
-constexpr int FUSED_ROWS_OF_X = 9;  // 9 x 2 accumulators in registers
+// against up to 9 rows of x (a step of 8 draft tokens plus the last one) while it is there;
+// 4 on AVX2, whose 16 registers hold 4 rows' integer sums (two registers each) beside the weights.
+constexpr int FUSED_ROWS_OF_X = kVectorRegisters == 32 ? 9 : 4;
 
 template <int NUM_X = FUSED_ROWS_OF_X>
 void fused_rows(int64_t rows, RoundedRows x, const float* x_d, int64_t format, const uint8_t* w, float* y,
@@ -734,7 +819,7 @@ void fused_rows(int64_t rows, RoundedRows x, const float* x_d, int64_t format, c
   if constexpr (NUM_X > 1) {
     if (rows < NUM_X) return fused_rows<NUM_X - 1>(rows, x, x_d, format, w, y, K, N);
   }
-#if defined(__AVX512BW__)
+#if defined(__AVX512BW__) || defined(DRAFTWISE_V16_PAIR)
   if (format == Q4_K) {
     kquant_decode<Q4_K, NUM_X>(x, x_d, w, y, K, N);
   } else {
@@ -745,19 +830,22 @@ void fused_rows(int64_t rows, RoundedRows x, const float* x_d, int64_t format, c
 
 void fused_product(const Activations& a, int64_t format, const uint8_t* w, int64_t row_bytes, float* out, int64_t M,
                    int64_t K, int64_t N) {
-  // dx of every super-block for each group of rows, laid out [group][block][16] so that one
-  // vector multiply gives d * dx for all the group's rows.
+  // The rows in groups of at most FUSED_ROWS_OF_X, as even as can be (AVX2: 9 rows as 3 + 3 + 3,
+  // not 4 + 4 + 1), and dx of every super-block for each group, laid out [group][block][16] so
+  // that one vector multiply gives d * dx for all the group's rows.
   const int64_t blocks = K / SUPER, groups = (M + FUSED_ROWS_OF_X - 1) / FUSED_ROWS_OF_X;
+  const auto first_row = [&](int64_t g) { return g * M / groups; };
   std::vector<float> x_d(groups * blocks * 16, 0.0f);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t b = 0; b < blocks; ++b)
-      x_d[(m / FUSED_ROWS_OF_X * blocks + b) * 16 + m % FUSED_ROWS_OF_X] = a.scale[m * blocks + b];
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t m = first_row(g); m < first_row(g + 1); ++m)
+      for (int64_t b = 0; b < blocks; ++b) x_d[(g * blocks + b) * 16 + m - first_row(g)] = a.scale[m * blocks + b];
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
-      for (int64_t m = 0, g = 0; m < M; m += FUSED_ROWS_OF_X, ++g) {
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t m = first_row(g);
         const RoundedRows xm{a.q.data() + m * K, a.scale.data() + m * blocks, a.sum.data() + m * K / 16};
-        fused_rows(std::min<int64_t>(FUSED_ROWS_OF_X, M - m), xm, x_d.data() + g * blocks * 16, format,
-                   w + n * row_bytes, out + m * N + n, K, N);
+        fused_rows(first_row(g + 1) - m, xm, x_d.data() + g * blocks * 16, format, w + n * row_bytes,
+                   out + m * N + n, K, N);
       }
     }
   });
