@@ -171,22 +171,22 @@ def default_target():
     return target
 
 
-def test_the_default_activations_follow_the_cpu_on_a_gguf_models_own_blocks(default_target, smollm2):
+def test_the_default_activations_follow_the_cpu_on_a_gguf_models_own_blocks(default_target, smollm2_dense):
     kernels = native_kernels(progress=False)
     expected = ("amx" if kernels.amx_in_hardware() else "bf16" if kernels.bf16_dot_in_hardware() else "float32")
     assert default_target.activations == expected
     assert {m.weight.activations for m in default_target.model.modules() if isinstance(m, BlockLinear)} == {expected}
-    assert smollm2.activations == "float32"  # --dtype float32 keeps float32 arithmetic
-    assert {m.weight.activations for m in smollm2.model.modules() if isinstance(m, BlockLinear)} == {"float32"}
+    assert smollm2_dense.activations == "float32"  # --dtype float32 keeps float32 arithmetic
+    assert {m.weight.activations for m in smollm2_dense.model.modules() if isinstance(m, BlockLinear)} == {"float32"}
     with pytest.raises(ConfigError, match="not 'auto'"):
-        use_activations(smollm2.model, "auto")
+        use_activations(smollm2_dense.model, "auto")
 
 
-def test_the_kv_cache_is_bfloat16_where_the_activations_are_rounded_unless_told(default_target, smollm2):
+def test_the_kv_cache_is_bfloat16_where_the_activations_are_rounded_unless_told(default_target, smollm2_dense):
     rounded = default_target.activations != "float32"
     assert default_target.kv_cache == ("bf16" if rounded else "float32")
     assert default_target.model.new_cache(4).keys.dtype == (torch.bfloat16 if rounded else torch.float32)
-    assert smollm2.kv_cache == "float32" and smollm2.model.new_cache(4).values.dtype == torch.float32
+    assert smollm2_dense.kv_cache == "float32" and smollm2_dense.model.new_cache(4).values.dtype == torch.float32
     told = loading.load("smollm2-135m", progress=False, activations="float32", kv_cache="bf16")
     assert told.kv_cache == "bf16" and told.model.truncated(3).new_cache(4).keys.dtype == torch.bfloat16
     with pytest.raises(ConfigError, match="--kv-cache 'fp8' is not one of auto, float32, bf16"):
@@ -226,15 +226,23 @@ def test_greedy_speculation_equals_plain_decoding_in_the_default_format(default_
     assert sum(result.metrics.num_accepted_tokens for result in results) > 0  # speculation really happened
 
 
-def test_the_gguf_blocks_with_float32_activations_compute_the_float32_paths_logits(smollm2):
+def test_the_gguf_blocks_with_float32_activations_compute_the_float32_paths_logits(smollm2, smollm2_dense):
     # SmolLM2's blocks dequantise exactly to the float32 path's weights (gguf-py's arithmetic),
-    # and both run the same kernel arithmetic: the logits are the same bits.
-    gguf = loading.load("smollm2-135m", progress=False, activations="float32")
-    for prompt in PROMPTS[:4]:
+    # and both run the same kernel arithmetic: the logits are the same bits, in a prefill, a
+    # 3-token verify after it and a one-token step. The suite's `smollm2` (the blocks, for speed)
+    # stands for `--dtype float32` on the strength of this test.
+    assert smollm2.model.model.layers[0].mlp.down_proj.weight.format.name == "Q4_1"
+    assert smollm2_dense.model.model.layers[0].mlp.down_proj.weight.format.name == "F32"
+    for prompt in PROMPTS:
         ids = prompt_ids(smollm2.tokenizer, prompt)
-        blocks = gguf.model.forward(ids, torch.arange(ids.shape[0]), gguf.model.new_cache(ids.shape[0]))
-        dense = smollm2.model.forward(ids, torch.arange(ids.shape[0]), smollm2.model.new_cache(ids.shape[0]))
-        assert torch.equal(blocks, dense)
+        logits = []
+        for loaded in (smollm2, smollm2_dense):
+            model, n = loaded.model, ids.shape[0]
+            cache = model.new_cache(n)
+            logits.append(torch.cat([model.forward(ids[:n - 4], torch.arange(n - 4), cache),
+                                     model.forward(ids[n - 4:n - 1], torch.arange(n - 4, n - 1), cache),
+                                     model.forward(ids[n - 1:], torch.arange(n - 1, n), cache)]))
+        assert torch.equal(*logits), f"prompt {prompt!r}"
 
 
 # 32-weight blocks (SmolLM2); Q4_K, Q6_K, Q5_0 (the 0.5B). Rounded activations store keys and values

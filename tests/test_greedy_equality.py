@@ -48,6 +48,15 @@ def test_ngram_drafter_output_equals_plain_greedy(smollm2, plain_outputs, num_dr
     assert sum(r.metrics.num_accepted_tokens for r in results) > 0  # speculation really happened
 
 
+def test_the_float32_weights_path_speculates_the_same_text(smollm2_dense, plain_outputs):
+    # `smollm2` runs the GGUF blocks (the same bits, faster); --dtype float32's float weights (the
+    # path of HF safetensors models) must give the same text too, drafts rolled back and all.
+    engine = Engine(smollm2_dense, NgramDrafter(), 3)
+    results = [engine.generate(prompt, PARAMS) for prompt in PROMPTS]
+    assert [result.token_ids for result in results] == plain_outputs
+    assert sum(r.metrics.num_accepted_tokens for r in results) > 0
+
+
 # k=3 only here: k=1 and k=8 with this drafter run in the default format (test_batch_invariance.py),
 # whose logits are this float32 path's bit for bit (its last test); each k costs 20-50 s of CI.
 @pytest.mark.parametrize("num_draft_tokens", [3])

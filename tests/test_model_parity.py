@@ -1,5 +1,6 @@
 """The native decoder computes what transformers computes on the same weights."""
 
+import pytest
 import torch
 
 from tests.conftest import PROMPTS
@@ -16,11 +17,13 @@ def prompt_ids(tokenizer, prompt) -> torch.Tensor:
     return torch.tensor(tokenizer.encode(text, add_special_tokens=False))
 
 
-def test_native_logits_match_transformers_in_float32(smollm2, hf_smollm2):
+@pytest.mark.parametrize("weights", ["gguf_blocks", "float32"])
+def test_native_logits_match_transformers_in_float32(smollm2, smollm2_dense, hf_smollm2, weights):
+    model = (smollm2 if weights == "gguf_blocks" else smollm2_dense).model
     for prompt in PROMPTS[:4]:
         ids = prompt_ids(smollm2.tokenizer, prompt)
-        cache = smollm2.model.new_cache(ids.shape[0])
-        ours = smollm2.model.forward(ids, torch.arange(ids.shape[0]), cache)
+        cache = model.new_cache(ids.shape[0])
+        ours = model.forward(ids, torch.arange(ids.shape[0]), cache)
         with torch.no_grad():
             reference = hf_smollm2(ids[None]).logits[0].float()
         assert (ours - reference).abs().max() < FP32_ATOL
