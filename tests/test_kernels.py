@@ -168,7 +168,9 @@ def test_int8_rows_are_bit_identical_whatever_rows_are_beside_them(kernels, form
     torch.manual_seed(1)
     x = torch.randn(80, num_columns)
     alone = torch.cat([weight.matmul(x[i:i + 1]) for i in range(80)])
-    for group in (3, 9, 10, 16, 17, 80):  # 9 rows per register pass, 16 the most in registers
+    # in registers: up to 16 rows, in passes of at most 9 (AVX-512) or 4 (AVX2: 5 = 2 + 3, 7 = 3 + 4,
+    # 10 = 3 + 3 + 4); 17 and 80: the unpacked path
+    for group in (3, 5, 7, 9, 10, 16, 17, 80):
         together = torch.cat([weight.matmul(x[i:i + group]) for i in range(0, 80, group)])
         assert torch.equal(together, alone), f"rows differ when computed {group} at a time"
 
