@@ -485,14 +485,6 @@ inline void kquant_decode(RoundedRows x, const float* x_d, const uint8_t* row, f
 }
 constexpr bool FUSED = true;
 #elif defined(DRAFTWISE_V16_PAIR)
-// AVX2: the same product with 256-bit registers, 32 columns each: one Q4_K sub-block (a 32-byte
-// load: its low nibbles, then the next sub-block in its high ones) or two Q6_K ones, so each
-// register's int16 pairs take one sub-scale (two for Q6_K, one per 128-bit lane) broadcast
-// from a scalar: no lane shuffles. The lanes hold the columns they hold in kquant_micro and
-// AVX-512's kquant_decode (a chunk's first 32 columns in lanes 0-7), the integers are exact and
-// the float steps are super_block_step's, so the bits are the same. Before, AVX2 unpacked each
-// weight row into memory first (a byte and an int16 sub-scale per weight, written and read
-// back): int8 activations were no faster than float32 there.
 // In-lane byte-shuffle control that puts int16 word `first` of a 128-bit table in every word of
 // a register's low lane and word `second` in its high lane.
 inline __m256i pick_words(int first, int second) {
@@ -500,6 +492,14 @@ inline __m256i pick_words(int first, int second) {
   return _mm256_set_m128i(word(second), word(first));
 }
 
+// AVX2: the same product with 256-bit registers, 32 columns each: one Q4_K sub-block (a 32-byte
+// load: its low nibbles, then the next sub-block in its high ones) or two Q6_K ones, so each
+// register's int16 pairs take one sub-scale (two for Q6_K, one per 128-bit lane), spread from
+// the block's table of sub-scales by one in-lane shuffle. The lanes hold the columns they hold
+// in kquant_micro and AVX-512's kquant_decode (a chunk's first 32 columns in lanes 0-7), the
+// integers are exact and the float steps are super_block_step's, so the bits are the same.
+// Before, AVX2 unpacked each weight row into memory first (a byte and an int16 sub-scale per
+// weight, written and read back): int8 activations were no faster than float32 there.
 template <int64_t FORMAT, int NUM_X>
 inline void kquant_decode(RoundedRows x, const float* x_d, const uint8_t* row, float* y, int64_t K, int64_t N) {
   const int64_t blocks = K / SUPER, block_bytes = FORMAT == Q4_K ? 144 : 210;
