@@ -366,6 +366,74 @@ struct RoundedRows {  // activation rows rounded per super-block
   const float* sum;
 };
 
+#if defined(DRAFTWISE_V16_PAIR)
+// AVX2's prefill tile: 6 rows of x against 2 weight rows. Each 64-column chunk's two halves (its
+// int32 lanes 0-7 and 8-15) are summed over a super-block one after the other, so a pair of x
+// and weight rows holds one 256-bit integer sum at a time, not two: 12 sums, a weight register
+// and its sub-scales fit AVX2's 16 registers. (Both halves at once, as kquant_micro below does
+// with 512-bit registers, 4 x 2 pairs needed 16 registers for the sums alone and every step
+// spilled: 20-36 GMAC/s a core against 42-57 this way in a standalone loop on Zen 3; in
+// benchmarks/forward_cost.py a 512-token int8 prefill of Qwen2.5-Coder-1.5B went from 31-33 to
+// 38-40 tok/s.) The same integers lane for lane (exact, in any order) and, lane for lane, the
+// float steps of super_block_step, so the bits are those of the other kernels. What is left:
+// the float steps (16 lanes a pair every 256 columns, accumulators in memory) take ~40% of
+// this kernel's time (perf), against the integer steps' ~55%.
+template <int NUM_X, int NUM_W>
+inline void kquant_micro(RoundedRows x, KquantRows w, float* y, int64_t K, int64_t N) {
+  const int64_t blocks = K / SUPER;
+  v8 acc[NUM_X][NUM_W][2] = {};
+  for (int64_t b = 0; b < blocks; ++b) {
+    float scale[NUM_X][NUM_W];  // d * dx, once for both halves
+#pragma GCC unroll 16
+    for (int i = 0; i < NUM_X; ++i)
+#pragma GCC unroll 16
+      for (int j = 0; j < NUM_W; ++j) scale[i][j] = w.d[j * blocks + b] * x.d[i * blocks + b];
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      __m256i total[NUM_X][NUM_W];
+#pragma GCC unroll 16
+      for (int i = 0; i < NUM_X; ++i)
+#pragma GCC unroll 16
+        for (int j = 0; j < NUM_W; ++j) total[i][j] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+      for (int c = 0; c < SUPER / CHUNK; ++c) {
+        const int64_t k = b * SUPER + c * CHUNK + 32 * h;
+#pragma GCC unroll 16
+        for (int j = 0; j < NUM_W; ++j) {
+          const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.u + j * K + k));
+          const __m256i sub = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.sub + j * (K / 2) + k / 2));
+#pragma GCC unroll 16
+          for (int i = 0; i < NUM_X; ++i) {
+            const __m256i pairs = _mm256_maddubs_epi16(u, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + i * K + k)));
+            total[i][j] = _mm256_add_epi32(total[i][j], _mm256_madd_epi16(pairs, sub));
+          }
+          // x's rows are read again for the next weight row, from L1, as a multiply's operand:
+          // kept from one weight row to the next instead, they took 6 registers and the sums spilled.
+          asm volatile("" ::: "memory");
+        }
+        // Keep the sums in registers chunk by chunk: left free, GCC regrouped the additions
+        // (integers: any order is exact) into products parked on the stack.
+#pragma GCC unroll 16
+        for (int i = 0; i < NUM_X; ++i)
+#pragma GCC unroll 16
+          for (int j = 0; j < NUM_W; ++j) asm("" : "+x"(total[i][j]));
+      }
+#pragma GCC unroll 16
+      for (int i = 0; i < NUM_X; ++i)
+#pragma GCC unroll 16
+        for (int j = 0; j < NUM_W; ++j) {
+          v8 a = fmadd(__builtin_convertvector(vi8(total[i][j]), v8), v8(_mm256_broadcast_ss(&scale[i][j])), acc[i][j][h]);
+          acc[i][j][h] = fmadd(v8(_mm256_loadu_ps(w.coef + j * (K / 16) + b * 16 + 8 * h)),
+                               v8(_mm256_loadu_ps(x.sum + i * (K / 16) + b * 16 + 8 * h)), a);
+        }
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < NUM_X; ++i)
+#pragma GCC unroll 16
+    for (int j = 0; j < NUM_W; ++j) y[i * N + j] = horizontal_sum(v16{acc[i][j][0], acc[i][j][1]});
+}
+#else
 template <int NUM_X, int NUM_W>
 inline void kquant_micro(RoundedRows x, KquantRows w, float* y, int64_t K, int64_t N) {
   const int64_t blocks = K / SUPER;
@@ -392,6 +460,8 @@ inline void kquant_micro(RoundedRows x, KquantRows w, float* y, int64_t K, int64
 #pragma GCC unroll 16
     for (int j = 0; j < NUM_W; ++j) y[i * N + j] = horizontal_sum(acc[i][j]);
 }
+
+#endif
 
 #if defined(__AVX512BW__)
 // In-lane byte-shuffle controls that give each 128-bit lane of a chunk's int16 lanes the
@@ -794,16 +864,27 @@ bool block32_fused(const Activations&, int64_t, const uint8_t*, int64_t, float*,
 // ---- both -----------------------------------------------------------------------------------
 
 constexpr int ROWS_OF_X = 4, ROWS_OF_W = 2;  // 8 int + 8 float accumulators in registers
+#if defined(DRAFTWISE_V16_PAIR)
+// A tile of x that fits a Zen 2/3 core's 512 KB L2 beside the weight rows (512 KB of it did
+// not); not timed apart from the kernel above.
+constexpr int64_t X_TILE_BYTES = 256 * 1024;
+constexpr int KQUANT_ROWS_OF_X = 6;  // AVX2's kquant_micro: 12 half-width integer sums
+#else
+constexpr int64_t X_TILE_BYTES = 512 * 1024;
+constexpr int KQUANT_ROWS_OF_X = ROWS_OF_X;
+#endif
 
-// y[m, n0..n0+NUM_W) for rows m0..m1 of x, in groups of ROWS_OF_X.
-template <int NUM_W, typename Run>
+// y[m, n0..n0+NUM_W) for rows m0..m1 of x, in groups of MAX_X.
+template <int MAX_X, typename Run>
 void every_x(int64_t m0, int64_t m1, Run run) {
-  for (int64_t m = m0; m < m1; m += ROWS_OF_X) {
-    switch (std::min<int64_t>(ROWS_OF_X, m1 - m)) {
+  for (int64_t m = m0; m < m1; m += MAX_X) {
+    switch (std::min<int64_t>(MAX_X, m1 - m)) {
       case 1: run(std::integral_constant<int, 1>{}, m); break;
       case 2: run(std::integral_constant<int, 2>{}, m); break;
       case 3: run(std::integral_constant<int, 3>{}, m); break;
-      default: run(std::integral_constant<int, 4>{}, m); break;
+      case 4: run(std::integral_constant<int, std::min(4, MAX_X)>{}, m); break;
+      case 5: run(std::integral_constant<int, std::min(5, MAX_X)>{}, m); break;
+      default: run(std::integral_constant<int, MAX_X>{}, m); break;
     }
   }
 }
@@ -874,10 +955,11 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, int64_t fo
     return y;
   }
   // Each work item unpacks a few weight rows and runs a tile of x's rows against them; a tile
-  // of x (about 512 KB of rounded rows) stays in L2 while a thread walks the weight rows.
+  // of x (about X_TILE_BYTES of rounded rows) stays in L2 while a thread walks the weight rows.
   const int64_t rows_per_item = M <= 16 ? 4 : 16;
   const int64_t weight_items = (N + rows_per_item - 1) / rows_per_item;
-  const int64_t tile_m = std::clamp<int64_t>((512 * 1024 / Kp) / ROWS_OF_X * ROWS_OF_X, 64, 512);
+  const int64_t rows_of_x = is_kquant(format) ? KQUANT_ROWS_OF_X : ROWS_OF_X;
+  const int64_t tile_m = std::clamp<int64_t>((X_TILE_BYTES / Kp) / rows_of_x * rows_of_x, 64, 512);
   const int64_t items = weight_items * ((M + tile_m - 1) / tile_m);
   const uint8_t* w = weight.data_ptr<uint8_t>();
   float* out = y.data_ptr<float>();
@@ -903,19 +985,20 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, int64_t fo
       }
       for (int64_t r = 0; r < rows; r += ROWS_OF_W) {
         const auto run_rows = [&](auto num_w, int64_t r0) {
-          every_x<decltype(num_w)::value>(m_begin, m_end, [&](auto num_x, int64_t m) {
-            float* ym = out + m * N + n0 + r0;
-            if (is_kquant(format)) {
+          if (is_kquant(format)) {
+            every_x<KQUANT_ROWS_OF_X>(m_begin, m_end, [&](auto num_x, int64_t m) {
               const KquantRows wr{u + r0 * K, sub + r0 * K / 2, scale + r0 * (K / SUPER), coef + r0 * K / 16};
               const RoundedRows xr{a.q.data() + m * K, a.scale.data() + m * (K / SUPER), a.sum.data() + m * K / 16};
-              kquant_micro<decltype(num_x)::value, decltype(num_w)::value>(xr, wr, ym, K, N);
-            } else {
+              kquant_micro<decltype(num_x)::value, decltype(num_w)::value>(xr, wr, out + m * N + n0 + r0, K, N);
+            });
+          } else {
+            every_x<ROWS_OF_X>(m_begin, m_end, [&](auto num_x, int64_t m) {
               const Block32Rows wr{u + r0 * Kp, scale + r0 * Kp / 4, coef + r0 * Kp / 16};
               const Block32Rows xr{reinterpret_cast<const uint8_t*>(a.q.data()) + m * Kp, a.scale.data() + m * Kp / 4,
                                    a.sum.data() + m * Kp / 16};
-              block32_micro<decltype(num_x)::value, decltype(num_w)::value>(xr, wr, ym, Kp, N);
-            }
-          });
+              block32_micro<decltype(num_x)::value, decltype(num_w)::value>(xr, wr, out + m * N + n0 + r0, Kp, N);
+            });
+          }
         };
         if (rows - r >= ROWS_OF_W) {
           run_rows(std::integral_constant<int, ROWS_OF_W>{}, r);
