@@ -162,15 +162,18 @@ def test_int8_activations_compute_the_blocks_times_the_rounded_input(kernels, fo
 
 @pytest.mark.parametrize("format", [WeightFormat.Q4_K, WeightFormat.Q6_K, WeightFormat.Q4_1, WeightFormat.Q8_0])
 def test_int8_rows_are_bit_identical_whatever_rows_are_beside_them(kernels, format):
-    data, num_columns = real_blocks(format)
+    # 47 weight rows: the unpacked path's last item of 16 rows ends on a lone weight row
+    data, num_columns = real_blocks(format, num_rows=47)
     weight = BlockWeight(data, format, num_columns)
     weight.activations = "int8"
     torch.manual_seed(1)
     x = torch.randn(80, num_columns)
     alone = torch.cat([weight.matmul(x[i:i + 1]) for i in range(80)])
     # in registers: up to 16 rows, in passes of at most 9 (AVX-512) or 4 (AVX2: 5 = 2 + 3, 7 = 3 + 4,
-    # 10 = 3 + 3 + 4); 17 and 80: the unpacked path
-    for group in (3, 5, 7, 9, 10, 16, 17, 80):
+    # 10 = 3 + 3 + 4); from 17 the unpacked path, whose tiles take 4 rows of x at a time (AVX2's
+    # K-quant tile: 6), so 17, 19, 21, 22 and 80 end on every smaller tile: 17 = 6 + 6 + 5,
+    # 19 = ... + 1, 21 = ... + 3, 22 = ... + 4, 80 = 13 x 6 + 2 (with 4: + 1, + 3, + 1, + 2, + 0)
+    for group in (3, 5, 7, 9, 10, 16, 17, 19, 21, 22, 80):
         together = torch.cat([weight.matmul(x[i:i + group]) for i in range(0, 80, group)])
         assert torch.equal(together, alone), f"rows differ when computed {group} at a time"
 
