@@ -63,11 +63,12 @@ def test_summary_speedups_are_throughput_ratios_within_a_category():
 
 
 def test_small_real_run_matches_plain_greedy_and_writes_reports(smollm2, tmp_path):
-    config = BenchConfig(max_new_tokens=16, repeats=1, with_llama_cpp=False)
+    # transformers' rows: test_cli.py's `bench --quick` runs and checks them (they cost half this run).
+    config = BenchConfig(max_new_tokens=16, repeats=1, with_llama_cpp=False, with_transformers=False)
     methods, skipped = build_methods(config, progress=False)
     names = [m.name for m in methods]
     assert names[:2] == ["draftwise plain", "draftwise ngram k<=10 adaptive"]
-    assert "transformers plain" in names and "transformers prompt lookup" in names
+    assert not any(name.startswith("transformers") for name in names)
     assert any("model" in note and "--draft-model" in note for note in skipped)
     prompts = load_suite(default_prompt_dir(), categories=["code_edit", "chat"], per_category=1)
     rows = run_bench(methods, prompts, config.max_new_tokens, config.repeats, progress=False)

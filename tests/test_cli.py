@@ -149,17 +149,31 @@ def test_commands_other_than_serve_work_without_the_server_extras():
     import subprocess
     import sys
 
-    code = ("import sys; sys.modules['fastapi'] = None\n"
+    # One child process runs the four commands in turn (an import of draftwise costs seconds).
+    code = ("import contextlib, io, json, sys\n"
+            "sys.modules['fastapi'] = None\n"
             "from draftwise.cli import main\n"
-            "sys.exit(main(sys.argv[1:]))\n")
-    for command in (["generate", "--help"], ["train", "--help"], ["bench", "--help"]):
-        run = subprocess.run([sys.executable, "-c", code, *command], capture_output=True, text=True, timeout=120)
-        assert run.returncode == 0, run.stderr
-        assert "usage: draftwise" in run.stdout
-    run = subprocess.run([sys.executable, "-c", code, "serve", "--port", "0"], capture_output=True, text=True,
-                         timeout=120)
-    assert run.returncode == 2
-    assert "server extras" in run.stderr and "Traceback" not in run.stderr
+            "results = []\n"
+            "for command in json.loads(sys.argv[1]):\n"
+            "    out, err = io.StringIO(), io.StringIO()\n"
+            "    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):\n"
+            "        try:\n"
+            "            status = main(command)\n"
+            "        except SystemExit as exit:\n"
+            "            status = exit.code\n"
+            "    results.append([status, out.getvalue(), err.getvalue()])\n"
+            "print(json.dumps(results))\n")
+    commands = [["generate", "--help"], ["train", "--help"], ["bench", "--help"], ["serve", "--port", "0"]]
+    run = subprocess.run([sys.executable, "-c", code, json.dumps(commands)], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    results = json.loads(run.stdout)
+    for status, out, err in results[:3]:
+        assert status == 0, err
+        assert "usage: draftwise" in out
+    status, out, err = results[3]
+    assert status == 2
+    assert "server extras" in err and "Traceback" not in err
 
 
 def test_train_refuses_a_step_of_no_sequences_before_any_work(tmp_path, capsys):

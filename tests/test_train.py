@@ -59,11 +59,12 @@ def test_training_writes_a_head_with_its_record_and_resumes(trained, smollm2_tok
     assert second["learning_rate"] == 1e-3  # the default for a 576-wide head
 
 
-@pytest.mark.parametrize("decoder", ["draftwise", "transformers"])  # on the CPU / on a GPU (make_data)
-def test_magpie_writes_system_prompts_questions_under_them_and_follow_ups(request, decoder, smollm2_tokenizer):
+def test_magpie_writes_system_prompts_questions_under_them_and_follow_ups(smollm2, smollm2_tokenizer):
+    """On draftwise's decoder (the CPU's); a GPU's transformers decoder writes through the same code
+    but for _generate, which the next test checks against this one."""
     from draftwise.train.data import write_follow_ups, write_questions, write_system_prompts
 
-    model = request.getfixturevalue("smollm2" if decoder == "draftwise" else "hf_smollm2")
+    model = smollm2
     tokenizer = copy.deepcopy(smollm2_tokenizer)  # the session's own keeps its padding side
     tokenizer.padding_side = "left"  # as make_data sets it for generation
     systems = write_system_prompts(model, tokenizer, 2, batch_size=4, seed=0, progress=False)
@@ -77,6 +78,25 @@ def test_magpie_writes_system_prompts_questions_under_them_and_follow_ups(reques
     assert [[m["role"] for m in chat] for chat in follow_ups] == [["user", "assistant", "user"]] * 2
     assert [chat[1]["content"] for chat in follow_ups] == ["Paris.", "Blue."]  # the answer each follows
     assert all(len(chat[2]["content"]) >= 12 for chat in follow_ups)
+
+
+def test_writing_through_transformers_continues_each_text_as_the_native_decoder_does(smollm2, hf_smollm2,
+                                                                                     smollm2_tokenizer):
+    """make_data on a GPU writes through transformers' generate: a left-padded batch of texts of
+    different lengths continues each one greedily exactly as draftwise's decoder does, and a row
+    that ends early ends with its end-of-sequence token, as the native rows do."""
+    from draftwise.train.data import _generate
+
+    tokenizer = copy.deepcopy(smollm2_tokenizer)
+    tokenizer.padding_side = "left"  # as make_data sets it for generation
+    texts = ["<|im_start|>user\nAnswer with one word: what colour is the sky?<|im_end|>\n<|im_start|>assistant\n",
+             "The capital of France is", "def add(a, b):\n    return"]
+    through_transformers = _generate(hf_smollm2, tokenizer, texts, 12, sample=False)
+    natively = _generate(smollm2, tokenizer, texts, 12, sample=False)
+    eos = tokenizer.eos_token_id
+    cut = [row[: row.index(eos) + 1] if eos in row else row for row in through_transformers]  # generate pads after it
+    assert cut == natively
+    assert eos in natively[0] and all(len(row) == 12 for row in natively[1:])
 
 
 def test_fractions_of_conversations_outside_zero_to_one_are_refused():

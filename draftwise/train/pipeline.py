@@ -283,8 +283,10 @@ def _train_head(target_name: str, output: Path, data_settings: DataSettings, set
     def save(state: TrainState, optimizer_state: dict) -> None:
         save_checkpoint(checkpoint, head, state, optimizer_state)
 
+    # The held-out answers run as long as the training answers, up to 64 tokens.
+    heldout_tokens = min(64, data_settings.max_response_tokens)
     state = train(head, loss_fn, examples, settings, state, save,
-                  lambda: acceptance_on(target, drafter_factory, bundle["heldout"]), progress=progress)
+                  lambda: acceptance_on(target, drafter_factory, bundle["heldout"], heldout_tokens), progress=progress)
     head.config = replace(config, training={
         "conversations": len(examples), "tokens": bundle["num_tokens"], "answer_tokens": bundle["num_answer_tokens"],
         "data_timings_s": {k: round(v, 1) for k, v in bundle["timings"].items()},
