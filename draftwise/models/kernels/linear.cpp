@@ -51,6 +51,39 @@ inline float finish(v16 acc, const float* x, const float* w, int64_t k_vec, int6
 // in 24 registers: one fused multiply-add per lane per 16 columns, in column order. Every path
 // below runs every output through this loop (or fused_slice's, the same sequence), then the
 // same horizontal sum: they agree bit for bit by construction.
+#if defined(DRAFTWISE_V16_PAIR)
+template <int H>
+inline v8& half(v16& v) {
+  if constexpr (H == 0) return v.lo; else return v.hi;
+}
+
+// One half (lanes 0-7 or 8-15) of micro's 16-column step on AVX2, where a v16 is two registers:
+// the weight rows' halves in NUM_W registers, each x row's half in one, so NUM_X x NUM_W = 6
+// accumulators (12 registers) + 2 + 1 fit AVX2's 16. Left to itself GCC kept x in registers and
+// read every weight from memory once per x row: 18 loads per 12 multiply-adds where 10 do. Each
+// lane's multiply-adds are the same, in the same order (lanes 0-7 of a step, then 8-15: no lane
+// depends on another), so the bits are micro's.
+template <int H, int NUM_X, int NUM_W>
+inline void pair_half_step(v16 (&acc)[NUM_X][NUM_W], const float* x, int64_t x_stride, const float* w,
+                           int64_t w_stride) {
+  static_assert(NUM_W <= 2, "two weight rows at most: their halves are named registers");
+  // Named variables, not an array: GCC kept an array's registers and stored it to the stack too.
+  v8 w0 = v8(_mm256_loadu_ps(w + 8 * H)), w1{};
+  asm("" : "+x"(w0));  // one load, kept for every x row
+  if constexpr (NUM_W == 2) {
+    w1 = v8(_mm256_loadu_ps(w + w_stride + 8 * H));
+    asm("" : "+x"(w1));
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < NUM_X; ++i) {
+    v8 xs = v8(_mm256_loadu_ps(x + i * x_stride + 8 * H));
+    asm("" : "+x"(xs));  // one load, kept for every weight row
+    half<H>(acc[i][0]) = fmadd(xs, w0, half<H>(acc[i][0]));
+    if constexpr (NUM_W == 2) half<H>(acc[i][1]) = fmadd(xs, w1, half<H>(acc[i][1]));
+  }
+}
+#endif
+
 template <int NUM_X, int NUM_W>
 inline void micro(const float* x, int64_t x_stride, const float* w, int64_t w_stride, v16* partial, int64_t columns,
                   int64_t cols, Ends ends = {}) {
@@ -59,6 +92,14 @@ inline void micro(const float* x, int64_t x_stride, const float* w, int64_t w_st
   for (int i = 0; i < NUM_X; ++i)
 #pragma GCC unroll 8
     for (int j = 0; j < NUM_W; ++j) acc[i][j] = ends.from_zero ? v16{} : partial[i * cols + j];
+#if defined(DRAFTWISE_V16_PAIR)
+  if constexpr (NUM_W <= 2 && NUM_X * NUM_W <= 6) {
+    for (int64_t k = 0; k < columns; k += 16) {
+      pair_half_step<0>(acc, x + k, x_stride, w + k, w_stride);
+      pair_half_step<1>(acc, x + k, x_stride, w + k, w_stride);
+    }
+  } else
+#endif
   for (int64_t k = 0; k < columns; k += 16) {
     v16 weights[NUM_W];
 #pragma GCC unroll 8
