@@ -71,11 +71,7 @@ def resolve(spec: str, auto_fetch: bool = False, progress: bool = True) -> Path:
             raise ModelNotFoundError(
                 f"model {spec!r} is not fetched yet: run `draftwise models fetch {spec}` first."
             )
-        with registry.exclusive(converted):  # one process converts; the others wait and load it
-            if _is_hf_folder(converted):
-                return converted
-            registry.fetch(spec, progress=progress)
-            return convert_gguf(registry.gguf_path(spec), converted)
+        return _converted_once(converted, lambda: convert_gguf(registry.fetch(spec, progress=progress), converted))
     path = Path(spec).expanduser()
     if path.exists():
         if _is_hf_folder(path):
@@ -87,10 +83,7 @@ def resolve(spec: str, auto_fetch: bool = False, progress: bool = True) -> Path:
                 "nor a single .gguf file."
             )
         converted = _converted_folder_for(ggufs[0])
-        if _is_hf_folder(converted):
-            return converted
-        with registry.exclusive(converted):
-            return converted if _is_hf_folder(converted) else convert_gguf(ggufs[0], converted)
+        return _converted_once(converted, lambda: convert_gguf(ggufs[0], converted))
     if "/" in spec and not spec.startswith((".", "/", "~")):
         return _download_from_hub(spec)
     raise ModelNotFoundError(
@@ -214,6 +207,15 @@ def convert_gguf(gguf_file: Path, out_folder: Path) -> Path:
     shutil.rmtree(out_folder, ignore_errors=True)
     staging.replace(out_folder)
     return out_folder
+
+
+def _converted_once(folder: Path, convert) -> Path:
+    """folder, made by convert() unless it is there: one process converts (an inter-process
+    lock), the others wait and then find it made."""
+    if _is_hf_folder(folder):
+        return folder
+    with registry.exclusive(folder):
+        return folder if _is_hf_folder(folder) else convert()
 
 
 def _converted_folder_for(gguf_file: Path) -> Path:

