@@ -34,9 +34,9 @@ def main(model: str, heads: list[str], questions: int, per_category: int, max_ne
                                                            progress=False)}
     for category in ["chat", "math", "translation"]:
         sets[category] = [list(prompt.messages) for prompt in load_suite(default_prompt_dir(), [category], per_category)]
+    loaded = {path: load_head(path, target.model) for path in heads}
     for shape, (top_k, depth, threshold, lookup) in SHAPES.items():
-        for path in heads:
-            head = load_head(path, target.model)
+        for path, head in loaded.items():
             factory = lambda: EagleDrafter(head, target.model, top_k, depth,  # noqa: E731
                                            min_path_probability=threshold, lookup=lookup)
             cells = [f"{name} {acceptance_on(target, factory, chats, max_new_tokens)['mean_accepted_length']:.2f}"
