@@ -315,6 +315,31 @@ def test_hidden_states_from_the_native_decoder_are_transformers_own_and_do_not_d
         assert torch.equal(single.features, packed.features) and torch.equal(single.labels, packed.labels)
 
 
+def test_hidden_states_recorded_while_answering_are_a_second_passes_own(smollm2, smollm2_tokenizer):
+    """On the CPU the answering forwards record the head's inputs as they go (HiddenRecorder)
+    instead of a second pass over the finished conversations: the same bits as that pass (batch
+    invariance: a prompt row at prefill and a token fed alone compute alike, whatever else the
+    forward holds), and the answer's tokens are that pass's argmax, the labels it would give."""
+    from draftwise.heads.eagle import EagleConfig
+    from draftwise.train.data import Conversation, answer, example_from_answer, record_features_native
+
+    layers = EagleConfig.for_target(smollm2.model, "smollm2-135m", 512).hidden_layers
+    chats = [[{"role": "user", "content": prompt}] for prompt in PROMPTS[:5]]
+    conversations = answer(smollm2, smollm2_tokenizer, chats, 20, batch_size=3, progress=False, layers=layers)
+    assert any(c.finished for c in conversations) and any(not c.finished for c in conversations)
+    recorded = [example_from_answer(c) for c in conversations]
+    replayed = record_features_native(smollm2.model, [Conversation(c.prompt_ids, c.response_ids[:-1])
+                                                      for c in conversations], layers, progress=False)
+    for mine, second in zip(recorded, replayed):
+        assert torch.equal(mine.tokens, second.tokens) and mine.num_prompt_tokens == second.num_prompt_tokens
+        assert mine.features.dtype == torch.bfloat16 and torch.equal(mine.features, second.features)
+        answer_rows = slice(mine.num_prompt_tokens - 1, None)  # the positions the head learns
+        assert torch.equal(mine.labels[answer_rows], second.labels[answer_rows])
+    with pytest.raises(ValueError, match="rows recorded"):  # an answer whose rows were lost is refused
+        example_from_answer(Conversation(conversations[0].prompt_ids, conversations[0].response_ids,
+                                         features=conversations[0].features[:-1]))
+
+
 def test_the_draft_vocabulary_lists_the_answers_tokens_most_frequent_first():
     """draft_vocabulary's order is what lets a drafter keep a prefix (EagleDrafter's draft_vocab):
     the answers' most frequent token first, prompt tokens not counted, `always` ids kept in front,

@@ -16,10 +16,15 @@ The bench suite's prompts are evaluation data: any that appears here is dropped.
 Generation runs batched: on the CPU through draftwise's own decoder (a batch of plain-decoding
 sequences advanced by draftwise.step.run_step: the target's own default weights and activations,
 so the greedy answers are exactly what it says at run time, and 4x faster than transformers'
-generate on SmolLM2, AMD EPYC Zen 3, 2026-11-27), on a GPU through transformers; then a forward per batch records the target's hidden states at the head's layers and its
-argmax at every position, the labels the head learns: on the CPU through draftwise's own decoder
-(record_features_native: the very hidden states the head reads at run time, in the target's
-default weights and activations), on a GPU through transformers in float32 (record_features).
+generate on SmolLM2, AMD EPYC Zen 3, 2026-11-27), on a GPU through transformers. The head learns
+from the target's hidden states at its layers and the target's next token after each position.
+On the CPU the answering forwards record those hidden states as they go (HiddenRecorder: every
+row that became context, the prompt's at prefill and each fed token's after; the very hidden
+states the head reads at run time, in the target's default weights and activations), and the
+labels are the greedy answer's own tokens: no second pass (that pass took 731 of the 1,958 s of
+data on the Zen 3). On a GPU a float32 forward per batch through transformers records them
+afterwards (record_features), its argmax the labels; record_features_native does the same
+through draftwise's decoder (for a bundle recorded at other layers).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from draftwise.drafters.base import Draft, empty_draft
 from draftwise.errors import ConfigError
 
 PLACEHOLDER = "\u2063PLACEHOLDER\u2063"
@@ -45,14 +51,59 @@ class Conversation:
     prompt_ids: list[int]  # the rendered chat up to the assistant's turn
     response_ids: list[int]  # the target's answer
     finished: bool = True  # the answer ended with an end-of-turn token (not cut at the length limit)
+    # The target's hidden states at the head's layers, recorded while answering (HiddenRecorder):
+    # one row per token of prompt + answer but the answer's last (never fed to the target); bfloat16.
+    features: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
 class Example:
     tokens: torch.Tensor  # [T] prompt + response
     features: torch.Tensor  # [T, layers * hidden] bfloat16: the target's hidden states at the head's layers
-    labels: torch.Tensor  # [T] the target's argmax after each position (the token it would write next)
+    # [T] the target's argmax after each position (the token it would write next); only positions
+    # from num_prompt_tokens - 1 on are learned (example_from_answer puts the prompt's own next
+    # tokens before them)
+    labels: torch.Tensor
     num_prompt_tokens: int
+
+
+def example_from_answer(conversation: Conversation) -> Example:
+    """An Example from an answer recorded as it was written: the greedy answer's tokens are the
+    target's argmax after each position, so they are the labels; the last token, never fed to the
+    target, has no hidden state and is only a label."""
+    sequence = conversation.prompt_ids + conversation.response_ids
+    features = conversation.features
+    if features is None or features.shape[0] != len(sequence) - 1:
+        raise ValueError(f"{None if features is None else features.shape[0]} hidden-state rows recorded for "
+                         f"{len(sequence) - 1} fed tokens")
+    return Example(torch.tensor(sequence[:-1]), features, torch.tensor(sequence[1:]), len(conversation.prompt_ids))
+
+
+class HiddenRecorder:
+    """A drafter that drafts nothing and keeps the hidden states of every target row that became
+    context (draftwise.step calls observe with them): plain decoding that records the head's
+    inputs as it goes."""
+
+    sequential = False
+
+    def __init__(self, layers: tuple[int, ...]) -> None:
+        self.hidden_layers = layers
+        self.rows: list[torch.Tensor] = []
+
+    def begin(self, params, generator, max_length: int) -> None:
+        self.rows = []
+
+    def propose(self, context: torch.Tensor, num_draft_tokens: int) -> Draft:
+        return empty_draft()
+
+    def rollback(self, num_valid: int) -> None:
+        pass  # nothing was proposed
+
+    def observe(self, hidden: torch.Tensor) -> None:
+        self.rows.append(hidden.to(torch.bfloat16))
+
+    def features(self) -> torch.Tensor:
+        return torch.cat(self.rows)
 
 
 def turn_prefix(tokenizer, history: list[dict], role: str) -> tuple[str, str]:
@@ -83,7 +134,7 @@ def _generate(model, tokenizer, texts: list[str], max_new_tokens: int, sample: b
     from draftwise.models.loading import LoadedModel
 
     if isinstance(model, LoadedModel):
-        return _generate_natively(model, tokenizer, texts, max_new_tokens, sample)
+        return _generate_natively(model, tokenizer, texts, max_new_tokens, sample)[0]
     batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
     with torch.inference_mode():
         out = model.generate(**batch, do_sample=sample, temperature=1.0 if sample else None, top_p=None, top_k=None,
@@ -91,9 +142,11 @@ def _generate(model, tokenizer, texts: list[str], max_new_tokens: int, sample: b
     return [row.tolist() for row in out[:, batch.input_ids.shape[1]:]]
 
 
-def _generate_natively(model, tokenizer, texts: list[str], max_new_tokens: int, sample: bool) -> list[list[int]]:
+def _generate_natively(model, tokenizer, texts: list[str], max_new_tokens: int, sample: bool,
+                       layers: tuple[int, ...] = ()) -> tuple[list[list[int]], list[torch.Tensor] | None]:
     """_generate on draftwise's decoder: one batched forward per step for all texts (plain decoding;
-    sampled rows seeded from torch's global generator, which write_messages seeds)."""
+    sampled rows seeded from torch's global generator, which write_messages seeds). With layers,
+    also each text's hidden states there (HiddenRecorder: a row per fed token, bfloat16)."""
     from draftwise.config import SamplingParams
     from draftwise.engine import Engine
     from draftwise.step import run_step
@@ -103,10 +156,12 @@ def _generate_natively(model, tokenizer, texts: list[str], max_new_tokens: int, 
     for text in texts:
         seed = int(torch.randint(2**62, ())) if sample else None
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0 if sample else 0.0, seed=seed)
-        sequences.append(engine.start(tokenizer.encode(text, add_special_tokens=False), params, engine.drafter, None, 0))
+        drafter = HiddenRecorder(layers) if layers else engine.drafter
+        sequences.append(engine.start(tokenizer.encode(text, add_special_tokens=False), params, drafter, None, 0))
     while live := [seq for seq in sequences if not seq.finished]:
-        run_step(model.model, live, None)
-    return [list(seq.text.token_ids) + ([seq.stop_token] if seq.stop_token is not None else []) for seq in sequences]
+        run_step(model.model, live, None, hidden_layers=layers)
+    rows = [list(seq.text.token_ids) + ([seq.stop_token] if seq.stop_token is not None else []) for seq in sequences]
+    return rows, [seq.drafter.features() for seq in sequences] if layers else None
 
 
 def _cut(ids: list[int], stop_ids: set[int]) -> tuple[list[int], bool]:
@@ -238,14 +293,18 @@ def drop_bench_prompts(chats: list[list[dict]], bench_texts: set[str]) -> tuple[
 
 
 def answer(model, tokenizer, chats: list[list[dict]], max_new_tokens: int, batch_size: int,
-           progress: bool = True) -> list[Conversation]:
+           progress: bool = True, layers: tuple[int, ...] = ()) -> list[Conversation]:
     """The target's greedy answers (self-distillation), one per chat, in the chats' order; generated
-    in batches of similar length to pad less."""
+    in batches of similar length to pad less. layers (draftwise's decoder only): record the hidden
+    states there while answering (Conversation.features)."""
     rendered = [tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) for chat in chats]
     order = sorted(range(len(rendered)), key=lambda index: len(rendered[index]))
     from draftwise.models.loading import LoadedModel
 
-    if isinstance(model, LoadedModel):  # draftwise's decoder, as _generate tells them apart
+    native = isinstance(model, LoadedModel)  # draftwise's decoder, as _generate tells them apart
+    if layers and not native:
+        raise ValueError("hidden states are recorded while answering only through draftwise's decoder")
+    if native:
         configured = list(model.model.info.eos_token_ids)
     else:  # transformers
         configured = model.generation_config.eos_token_id
@@ -255,11 +314,18 @@ def answer(model, tokenizer, chats: list[list[dict]], max_new_tokens: int, batch
     for first in tqdm(range(0, len(order), batch_size), desc="answering", unit="batch", disable=not progress):
         indices = order[first:first + batch_size]
         texts = [rendered[index] for index in indices]
-        for index, text, row in zip(indices, texts, _generate(model, tokenizer, texts, max_new_tokens, sample=False)):
+        if native:
+            rows, recorded = _generate_natively(model, tokenizer, texts, max_new_tokens, False, layers)
+        else:
+            rows, recorded = _generate(model, tokenizer, texts, max_new_tokens, sample=False), None
+        for number, (index, text, row) in enumerate(zip(indices, texts, rows)):
             ids, ended = _cut(row, stop_ids)
             if ended:
                 ids = ids + [row[len(ids)]]  # keep the end-of-turn token: the head should predict it too
-            conversations[index] = Conversation(tokenizer.encode(text, add_special_tokens=False), ids, ended)
+            prompt_ids = tokenizer.encode(text, add_special_tokens=False)
+            # Rows past the kept answer (a stop id the decoder itself does not stop at) are dropped.
+            features = None if recorded is None else recorded[number][: len(prompt_ids) + len(ids) - 1]
+            conversations[index] = Conversation(prompt_ids, ids, ended, features)
     return conversations
 
 

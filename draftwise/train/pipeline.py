@@ -111,9 +111,11 @@ def make_data(target, data_settings: DataSettings, layers: tuple[int, ...], prog
         raise ConfigError(f"{len(chats)} prompts leave none to train on after holding out {data_settings.num_heldout}: "
                           "give more prompts or a smaller --heldout.")
     heldout, chats = chats[: data_settings.num_heldout], chats[data_settings.num_heldout:]
+    # On the CPU the answering forwards record the hidden states as they go (data.HiddenRecorder).
+    recording = layers if device.type == "cpu" else ()
     tic = time.perf_counter()
     conversations = datagen.answer(generator_model, tokenizer, chats, data_settings.max_response_tokens,
-                                   data_settings.batch_size, progress=progress)
+                                   data_settings.batch_size, progress=progress, layers=recording)
     timings["answers_s"] = time.perf_counter() - tic
     if data_settings.follow_ups > 0:
         tic = time.perf_counter()
@@ -131,15 +133,18 @@ def make_data(target, data_settings: DataSettings, layers: tuple[int, ...], prog
         follow_ups, dropped_too = datagen.drop_bench_prompts(follow_ups, bench_texts)
         dropped += dropped_too
         conversations += datagen.answer(generator_model, tokenizer, follow_ups, data_settings.max_response_tokens,
-                                        data_settings.batch_size, progress=progress)
+                                        data_settings.batch_size, progress=progress, layers=recording)
         timings["follow_ups_s"] = time.perf_counter() - tic
-    # Recorded in order of length: batches pad less.
+    # In order of length (recorded so on a GPU: batches pad less).
     conversations.sort(key=lambda conversation: len(conversation.prompt_ids) + len(conversation.response_ids))
     del generator_model
     tic = time.perf_counter()
     scoring_model = AutoModelForCausalLM.from_pretrained(target.folder, dtype=torch.float32).to(device).eval()
-    examples = _record(target, conversations, layers, progress, device, scoring_model)
-    timings["hidden_states_s"] = time.perf_counter() - tic
+    if recording:
+        examples = [datagen.example_from_answer(conversation) for conversation in conversations]
+    else:
+        examples = _record(target, conversations, layers, progress, device, scoring_model)
+        timings["hidden_states_s"] = time.perf_counter() - tic
     embed = scoring_model.get_input_embeddings().weight.detach().float().cpu().clone()  # [vocab, hidden]
     lm_head = scoring_model.get_output_embeddings().weight.detach().float().cpu()
     return {"examples": examples, "layers": layers, "heldout": heldout, "embed": embed, "lm_head": lm_head,
