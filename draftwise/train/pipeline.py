@@ -187,10 +187,12 @@ def _features_for(bundle: dict, target, layers: tuple[int, ...], progress: bool,
 
 def _record(target, conversations: list, layers: tuple[int, ...], progress: bool, device: torch.device,
             scoring_model=None) -> list[datagen.Example]:
-    """The hidden states and labels: on the CPU from draftwise's own decoder (what the head reads at
-    run time, and faster: on the AMX Xeon, 2 threads, SmolLM2's 256 conversations in 25 s against
-    71 s through transformers in float32, Qwen2.5-Coder-1.5B's 48 in 24-26 s against 132; labels
-    agree at 99.6% of positions), on a GPU from transformers in float32 (scoring_model, or loaded here)."""
+    """The hidden states and labels of finished conversations (make_data on a GPU, and a bundle
+    recorded at other layers; make_data on the CPU records them while answering): on the CPU from
+    draftwise's own decoder (what the head reads at run time, and faster: on the AMX Xeon, 2
+    threads, SmolLM2's 256 conversations in 25 s against 71 s through transformers in float32,
+    Qwen2.5-Coder-1.5B's 48 in 24-26 s against 132; labels agree at 99.6% of positions), on a GPU
+    from transformers in float32 (scoring_model, or loaded here)."""
     if device.type == "cpu":
         return datagen.record_features_native(target.model, conversations, layers, progress=progress)
     if scoring_model is None:
