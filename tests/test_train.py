@@ -340,6 +340,42 @@ def test_hidden_states_recorded_while_answering_are_a_second_passes_own(smollm2,
                                          features=conversations[0].features[:-1]))
 
 
+def test_the_embedding_tables_are_read_from_the_checkpoint_alone(smollm2, hf_smollm2):
+    """make_data takes the embedding and the LM head the head trains against from the safetensors
+    file, not from the whole model loaded in float32: the same values transformers gives."""
+    from draftwise.train.pipeline import embedding_tables
+
+    embed, lm_head = embedding_tables(smollm2.folder)
+    assert embed.dtype == torch.float32 and embed.shape == (smollm2.model.shape.vocab_size,
+                                                             smollm2.model.shape.hidden_size)
+    assert torch.equal(embed, hf_smollm2.get_input_embeddings().weight)
+    assert torch.equal(lm_head, hf_smollm2.get_output_embeddings().weight)  # tied: the same table
+
+
+def test_untied_embedding_tables_are_told_apart_and_a_missing_lm_head_is_refused(tmp_path):
+    """A target with an LM head of its own (tiny random llama: the names are what is tested) gives
+    that head, not the embedding; a checkpoint that lost it is refused, not trained against the
+    embedding by mistake."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from draftwise.train.pipeline import embedding_tables
+
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(tmp_path)
+    embed, lm_head = embedding_tables(tmp_path)
+    assert torch.equal(embed, model.get_input_embeddings().weight)
+    assert torch.equal(lm_head, model.get_output_embeddings().weight) and not torch.equal(embed, lm_head)
+    weights = load_file(tmp_path / "model.safetensors")
+    del weights["lm_head.weight"]
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match="lm_head.weight"):
+        embedding_tables(tmp_path)
+
+
 def test_the_draft_vocabulary_lists_the_answers_tokens_most_frequent_first():
     """draft_vocabulary's order is what lets a drafter keep a prefix (EagleDrafter's draft_vocab):
     the answers' most frequent token first, prompt tokens not counted, `always` ids kept in front,
