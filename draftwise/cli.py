@@ -309,6 +309,9 @@ def _add_train(subparsers) -> None:
     cmd.add_argument("--device", default="cpu",
                      help="where the target writes the data and the head trains: cpu (default) or cuda; "
                           "held-out acceptance is measured on the CPU either way")
+    cmd.add_argument("--restart", action="store_true",
+                     help="train a new head from step 0 on --out's data.pt, ignoring its checkpoint (default: a "
+                          "rerun resumes; a finished schedule trains no more)")
     cmd.add_argument("--seed", type=int, default=0)
     cmd.add_argument("--threads", type=int, help="CPU threads (default: PyTorch's, one per core)")
     cmd.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -332,7 +335,7 @@ def _train(args) -> int:
                              sequences_per_forward=per_forward,
                              max_train_s=None if args.max_minutes is None else 60 * args.max_minutes)
     folder = train_head(args.target, args.out, data, settings, kind=args.kind, progress=not args.quiet,
-                        device=args.device, intermediate_size=args.head_intermediate_size)
+                        device=args.device, intermediate_size=args.head_intermediate_size, restart=args.restart)
     print(f"head written to {folder}: use it with --drafter {args.kind} --head {folder}")
     return 0
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 
 import pytest
 import torch
@@ -25,14 +26,19 @@ PROMPTS = ["What is the capital of Italy?", "Name three colours.", "How many leg
            "What do bees make?", "Say hello in French.", "What is the opposite of cold?"]
 
 
+def _train_args(folder, out) -> list[str]:
+    """The fixture's `draftwise train` arguments (its prompts written into folder)."""
+    prompts = folder / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    return ["--target", "smollm2-135m", "--out", str(out), "--prompts", str(prompts),
+            "--max-response-tokens", "24", "--draft-vocab", "512", "--heldout", "2", "--quiet",
+            "--head-intermediate-size", "256", "--follow-ups", "0.5"]
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     folder = tmp_path_factory.mktemp("train")
-    prompts = folder / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
-    common = ["--target", "smollm2-135m", "--out", str(folder / "out"), "--prompts", str(prompts),
-              "--max-response-tokens", "24", "--draft-vocab", "512", "--heldout", "2", "--quiet",
-              "--head-intermediate-size", "256", "--follow-ups", "0.5"]
+    common = _train_args(folder, folder / "out")
     assert main(["train", *common, "--epochs", "1"]) == 0
     first = json.loads((folder / "out" / "eagle" / "head.json").read_text())["training"]
     # Rerunning with more epochs resumes from the checkpoint instead of starting over.
@@ -57,6 +63,25 @@ def test_training_writes_a_head_with_its_record_and_resumes(trained, smollm2_tok
     head = json.loads((out / "eagle" / "head.json").read_text())
     assert head["intermediate_size"] == 256  # --head-intermediate-size, not SmolLM2's own 1536
     assert second["learning_rate"] == 1e-3  # the default for a 576-wide head
+
+
+def test_restart_trains_a_new_head_on_the_same_data(trained, tmp_path):
+    """A finished run rerun resumes and trains no more; --restart starts a head from step 0 on
+    the same data.pt (kept, not made again) and replaces the checkpoint."""
+    out, first, second = trained
+    copy_of = tmp_path / "out"
+    shutil.copytree(out, copy_of)
+    data_written = (copy_of / "data.pt").stat().st_mtime_ns
+    common = _train_args(tmp_path, copy_of)
+    assert main(["train", *common, "--epochs", "2"]) == 0  # finished: nothing more to train
+    again = json.loads((copy_of / "eagle" / "head.json").read_text())["training"]
+    assert again["steps"] == second["steps"] and again["curve"] == second["curve"]
+    assert main(["train", *common, "--epochs", "1", "--restart"]) == 0
+    restarted = json.loads((copy_of / "eagle" / "head.json").read_text())["training"]
+    assert restarted["steps"] == first["steps"] < second["steps"]  # one epoch, from step 0
+    assert len(restarted["curve"]) == len(first["curve"])  # a curve of its own, not the old one's tail
+    assert (copy_of / "data.pt").stat().st_mtime_ns == data_written
+    assert torch.load(copy_of / "checkpoint-eagle.pt", weights_only=False)["state"]["step"] == first["steps"]
 
 
 def test_magpie_writes_system_prompts_questions_under_them_and_follow_ups(smollm2, smollm2_tokenizer):

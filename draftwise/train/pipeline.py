@@ -227,17 +227,19 @@ def _record(target, conversations: list, layers: tuple[int, ...], progress: bool
 
 def train_head(target_name: str, output: Path, data_settings: DataSettings = DataSettings(),
                settings: TrainSettings = TrainSettings(), kind: str = "eagle", progress: bool = True,
-               device: str = "cpu", intermediate_size: int | None = None) -> Path:
+               device: str = "cpu", intermediate_size: int | None = None, restart: bool = False) -> Path:
     """Make (or reuse) the data, train a head of this kind and write it to output/kind. On a CUDA
     device the target's generation, its hidden states and the head's training run there; the
     held-out acceptance is measured on the CPU, through draftwise's own decoder, as users run it.
-    intermediate_size: the EAGLE head's MLP width (default: the target's)."""
+    intermediate_size: the EAGLE head's MLP width (default: the target's). restart: a new head
+    from step 0 on output's data, its checkpoint ignored (and overwritten); else a checkpoint
+    there is resumed."""
     if kind not in KINDS:
         raise ConfigError(f"kind={kind!r} is not a head kind: use one of {', '.join(KINDS)}.")
     train_on = training_device(device)
     with _tf32_matmuls(train_on):
         return _train_head(target_name, Path(output), data_settings, settings, kind, progress, train_on,
-                           intermediate_size)
+                           intermediate_size, restart)
 
 
 @contextmanager
@@ -254,7 +256,7 @@ def _tf32_matmuls(device: torch.device):
 
 
 def _train_head(target_name: str, output: Path, data_settings: DataSettings, settings: TrainSettings, kind: str,
-                progress: bool, train_on: torch.device, intermediate_size: int | None) -> Path:
+                progress: bool, train_on: torch.device, intermediate_size: int | None, restart: bool) -> Path:
     import copy
 
     from draftwise.drafters.eagle import EagleDrafter
@@ -308,7 +310,7 @@ def _train_head(target_name: str, output: Path, data_settings: DataSettings, set
         loss_fn = medusa_loss(head, embed.shape[0])
         drafter_factory = lambda: MedusaDrafter(on_cpu(), target.model, lookup=0)  # noqa: E731  (the heads alone)
     checkpoint = output / f"checkpoint-{kind}.pt"
-    state = load_checkpoint(checkpoint, head) if checkpoint.is_file() else TrainState()
+    state = load_checkpoint(checkpoint, head) if checkpoint.is_file() and not restart else TrainState()
 
     def save(state: TrainState, optimizer_state: dict) -> None:
         save_checkpoint(checkpoint, head, state, optimizer_state)
