@@ -195,6 +195,19 @@ inline void fused_slice(const float* x, const uint8_t* const* rows, v16* partial
     const float* xb = x + b * B::WEIGHTS;
     for (int j = 0; j < NUM_W; ++j)
       for (int64_t line = 0; line < B::BYTES; line += 64) __builtin_prefetch(block[j] + ahead + line);
+#if defined(DRAFTWISE_V16_PAIR)
+    // AVX2: one weight row's block at a time (x re-read from L1 for each): decoding the rows in
+    // step kept both rows' values, scales and partial sums live at once, more than AVX2's 16
+    // registers, and GCC parked a partial sum on the stack inside the loop (perf, SmolLM2's
+    // Q4_1 at one row: the store and reload on that sum's chain of multiply-adds bounded the loop).
+    // Each partial sum gets the same multiply-adds in the same order.
+#pragma GCC unroll 4
+    for (int j = 0; j < NUM_W; ++j)
+      B::template decode<1>(&block[j], [&](int g, const v16* w) DRAFTWISE_INLINE_LAMBDA {
+#pragma GCC unroll 8
+        for (int i = 0; i < NUM_X; ++i) acc[i][j] = fmadd(load16(xb + i * K + 16 * g), w[0], acc[i][j]);
+      });
+#else
     B::template decode<NUM_W>(block, [&](int g, const v16* w) DRAFTWISE_INLINE_LAMBDA {
 #pragma GCC unroll 8
       for (int i = 0; i < NUM_X; ++i) {
@@ -203,6 +216,7 @@ inline void fused_slice(const float* x, const uint8_t* const* rows, v16* partial
         for (int j = 0; j < NUM_W; ++j) acc[i][j] = fmadd(xs, w[j], acc[i][j]);
       }
     });
+#endif
     for (int j = 0; j < NUM_W; ++j) block[j] += B::BYTES;
   }
   for (int j = 0; j < NUM_W; ++j)
