@@ -370,10 +370,15 @@ constexpr int64_t BLOCK_TILE_M = 96, BLOCK_TILE_N = 32, BLOCK_TILE_K = 2048;
 // From this many rows of x on, block formats take the tiles (kernel_cost.py, SmolLM2's Q4_1 /
 // Q8_0, 2 threads: 0.7x the fused path at 4 rows, even at 9, 1.1x at 16, 1.25x at 32; a whole
 // 16-token forward measured the same either way, within noise). On AVX2, where the fused path
-// re-decodes each weight for every group of 4 rows, from 5 rows (AMD EPYC 7003, 2 threads,
-// SmolLM2's 1536x576 / 576x1536 Q4_1 at 9 rows: 421 / 429 -> 319 / 280 us; its Q8_0 LM head
-// 7.9 -> 8.9 ms).
-constexpr int64_t BLOCK_TILE_MIN_ROWS = kVectorRegisters == 32 ? 12 : 5;
+// re-decodes each weight for every group of 4 rows: from 9 rows for 32-weight blocks (AMD EPYC
+// Zen 3, whole SmolLM2 forwards, min over alternating processes, fused against tiles: 5 / 6 / 7 /
+// 8 tokens 1.27x / 1.15x / 1.12x / 1.08x, 9 / 12 / 16 tokens 0.93x / 0.92x / 0.85x; one matrix
+// alone, warm in cache, had favoured the tiles from 5 rows), from 5 for Q4_K and Q6_K, whose
+// decoding costs more (Qwen2.5-Coder-1.5B forwards at 5 and 8 tokens: fused 0.95x the tiles).
+inline int64_t block_tile_min_rows(int64_t format) {
+  if (kVectorRegisters == 32) return 12;
+  return format == Q4_K || format == Q6_K ? 5 : 9;
+}
 
 void prefill_blocks(const float* x, const uint8_t* w, int64_t format, float* y, int64_t M, int64_t K, int64_t N,
                     int64_t row_bytes) {
@@ -411,7 +416,7 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& weight, int64_t
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   if (is_block_format(format)) {
-    const auto run = M >= BLOCK_TILE_MIN_ROWS ? prefill_blocks : fused;
+    const auto run = M >= block_tile_min_rows(format) ? prefill_blocks : fused;
     run(x.data_ptr<float>(), weight.data_ptr<uint8_t>(), format, y.data_ptr<float>(), M, K, N, weight.size(1));
     return y;
   }
