@@ -3,8 +3,9 @@
 //
 // On block formats no float32 copy of W is ever kept: each block is decoded 16 weights at a
 // time in registers (blocks.h) and multiplied into up to 8 rows of x at once, several weight
-// rows in step, with the next rows prefetched. A decode or verify step (up to 11 rows) runs
-// all its rows against each weight row. From 12 rows on (a long verify, a prefill) a tile of
+// rows in step, with the next rows prefetched. A decode or verify step (up to 11 rows; on AVX2
+// up to 8, or 4 for Q4_K and Q6_K: block_tile_min_rows) runs all its rows against each weight
+// row. From 12 rows on (a long verify, a prefill) a tile of
 // weight rows (32 rows x 2048 columns) is decoded into float32 in cache once per 96 rows of x
 // and 6 x 4 register blocks run over it (Qwen2.5-1.5B, 256 rows: 60 -> 77 GMAC/s against
 // decoding each block per 8 rows in registers).
@@ -170,8 +171,8 @@ void skinny(const float* x, const uint8_t* w, int64_t format, float* y, int64_t 
 
 // Few rows of x on block formats: weight rows are decoded 16 weights at a time (blocks.h) and
 // every row of x (up to 8 at once) is multiplied into the 16 weights while they are in a
-// register; 2 or 4 weight rows advance in step, so a one-token step keeps 4 independent sums
-// in flight. Per output the same fused multiply-adds, in the same column order, on the same
+// register; 2 or 4 weight rows advance in step (on AVX2 each row's block decoded in turn, see
+// fused_slice), so a one-token step keeps 4 independent sums in flight. Per output the same fused multiply-adds, in the same column order, on the same
 // floats as block<> over a dequantised row, so the two agree bit for bit (the tests check it).
 // The work goes in slices of K whose rows of x stay in L1 (about 16 KB), each thread keeping
 // the 16-lane partial sums of its weight rows between slices.
