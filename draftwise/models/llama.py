@@ -86,6 +86,22 @@ class DecoderShape:
         )
 
 
+class CheckpointLinear(nn.Linear):
+    """An nn.Linear whose weights a checkpoint fills: built on the meta device and never given
+    random values (nn.Linear's own initialisation there imports PyTorch's meta kernels, 2.2 s of
+    every model load; the loaders replace or assign every parameter, and check none is left)."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class CheckpointEmbedding(nn.Embedding):
+    """As CheckpointLinear, for the token embedding."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -102,10 +118,10 @@ class Attention(nn.Module):
         self.shape = shape
         q_size = shape.num_heads * shape.head_dim
         kv_size = shape.num_kv_heads * shape.head_dim
-        self.q_proj = nn.Linear(shape.hidden_size, q_size, bias=shape.qkv_bias)
-        self.k_proj = nn.Linear(shape.hidden_size, kv_size, bias=shape.qkv_bias)
-        self.v_proj = nn.Linear(shape.hidden_size, kv_size, bias=shape.qkv_bias)
-        self.o_proj = nn.Linear(q_size, shape.hidden_size, bias=False)
+        self.q_proj = CheckpointLinear(shape.hidden_size, q_size, bias=shape.qkv_bias)
+        self.k_proj = CheckpointLinear(shape.hidden_size, kv_size, bias=shape.qkv_bias)
+        self.v_proj = CheckpointLinear(shape.hidden_size, kv_size, bias=shape.qkv_bias)
+        self.o_proj = CheckpointLinear(q_size, shape.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
                 spans: list["Span"]) -> torch.Tensor:  # x: [N, hidden], every sequence's rows
@@ -134,9 +150,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, shape: DecoderShape) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(shape.hidden_size, shape.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(shape.hidden_size, shape.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=False)
+        self.gate_proj = CheckpointLinear(shape.hidden_size, shape.intermediate_size, bias=False)
+        self.up_proj = CheckpointLinear(shape.hidden_size, shape.intermediate_size, bias=False)
+        self.down_proj = CheckpointLinear(shape.intermediate_size, shape.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
@@ -161,7 +177,7 @@ class Backbone(nn.Module):
 
     def __init__(self, shape: DecoderShape) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
+        self.embed_tokens = CheckpointEmbedding(shape.vocab_size, shape.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(shape) for _ in range(shape.num_layers))
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
 
@@ -174,7 +190,7 @@ class LlamaModel(nn.Module):
         self.shape = shape
         self.info = info
         self.model = Backbone(shape)
-        self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
+        self.lm_head = CheckpointLinear(shape.hidden_size, shape.vocab_size, bias=False)
         self.rope = RopeTable(shape)
         # Run the layers through kernels.Decoder where it is built (one call for all of them);
         # False runs the modules one by one (the reference the tests compare it with).
