@@ -19,6 +19,8 @@
 // columns of a block, in order) with w[r] the group's 16 weights in blocks[r].
 #pragma once
 
+#include <type_traits>
+
 #include "formats.h"
 
 // Decoders and the loops they feed are one function to the compiler (its inliner otherwise
@@ -331,6 +333,29 @@ struct Blocks<Q4_K> {
 #endif
     }
   }
+#if defined(DRAFTWISE_V16_PAIR)
+  // AVX2, the rows of a decode step: decode's weights, the rows taking turns by quarter block
+  // (64 columns) instead of by whole block; use(r, g, w) with w group g of row r.
+  template <int R, typename Use>
+  static DRAFTWISE_ALWAYS_INLINE void decode_by_turns(const uint8_t* const* block, Use use) {
+    alignas(64) float scaled[R][16];
+    q4k_scaled(block, scaled);
+#pragma GCC unroll 4
+    for (int pair = 0; pair < 4; ++pair) {
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const vi16 first = widen(block[r] + 16 + 32 * pair), second = widen(block[r] + 32 + 32 * pair);
+        const auto weights = [&](int j, vi16 nibbles) DRAFTWISE_INLINE_LAMBDA {
+          return fmsub(to_float(nibbles), scaled[r][j], scaled[r][8 + j]);
+        };
+        use(r, 4 * pair, weights(2 * pair, first & 15));
+        use(r, 4 * pair + 1, weights(2 * pair, second & 15));
+        use(r, 4 * pair + 2, weights(2 * pair + 1, first >> 4));
+        use(r, 4 * pair + 3, weights(2 * pair + 1, second >> 4));
+      }
+    }
+  }
+#endif
 };
 
 // Q6_K: 128 bytes of low nibbles, 64 bytes of 2-bit highs, 16 int8 scales, d (float16);
@@ -398,6 +423,13 @@ struct Blocks<Q6_K> {
     }
   }
 };
+
+#if defined(DRAFTWISE_V16_PAIR)
+// The formats whose decode step's rows take turns within a block on AVX2 (decode_by_turns;
+// linear.cpp, fused_slice). Q6_K's did the same and measured no faster (1.00x at one row).
+template <typename B>
+constexpr bool kDecodesByTurns = std::is_same_v<B, Blocks<Q4_K>>;
+#endif
 
 // Calls body(Blocks<format>{}) for a block format's decoder (the format as a type, so that
 // each caller's loop is compiled once per format).
