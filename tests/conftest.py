@@ -57,7 +57,9 @@ def hf_smollm2(smollm2):
     """The same weights through transformers, the reference implementation."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(smollm2.folder, dtype=torch.float32).eval()
+    from draftwise.models import loading
+
+    return AutoModelForCausalLM.from_pretrained(loading.weights_folder(smollm2, progress=False), dtype=torch.float32).eval()
 
 
 def _fetched_folder(name: str):

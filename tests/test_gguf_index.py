@@ -82,3 +82,20 @@ def test_a_broken_file_is_refused_with_the_reason(tmp_path, damage, reason):
         read_index(path)
     with pytest.raises(ModelLoadError, match=f"could not read .* as a GGUF file: .*{reason}"):
         read_blocks(path, "llama", 1, 1)
+
+
+def test_a_gguf_file_loads_from_its_blocks_without_dequantised_weights(tmp_path, monkeypatch, smollm2):
+    """The default path (the file's own blocks) needs the converted folder's config and tokenizer
+    only: a GGUF file loaded by its path writes no model.safetensors (7.1 GB for Qwen2.5-Coder-1.5B
+    in float32) and computes the packaged model's logits bit for bit."""
+    import torch
+
+    monkeypatch.setattr(loading, "_converted_folder_for", lambda gguf_file: tmp_path / "converted")
+    loaded = loading.load(str(loading.gguf_source("smollm2-135m")), activations="float32", kv_cache="float32",
+                          progress=False)
+    assert loaded.folder == tmp_path / "converted" and (loaded.folder / "tokenizer_config.json").is_file()
+    assert not list(loaded.folder.glob("*.safetensors"))
+    tokens = torch.tensor(loaded.tokenizer.encode("The capital of France is"))
+    logits = [model.forward(tokens, torch.arange(len(tokens)), model.new_cache(len(tokens)), num_logits=1)
+              for model in (loaded.model, smollm2.model)]
+    assert torch.equal(logits[0], logits[1])

