@@ -172,9 +172,10 @@ void skinny(const float* x, const uint8_t* w, int64_t format, float* y, int64_t 
 
 // Few rows of x on block formats: weight rows are decoded 16 weights at a time (blocks.h) and
 // every row of x (up to 8 at once) is multiplied into the 16 weights while they are in a
-// register; 2 or 4 weight rows advance in step (on AVX2 each row's block decoded in turn, see
-// fused_slice), so a one-token step keeps 4 independent sums in flight. Per output the same fused multiply-adds, in the same column order, on the same
-// floats as block<> over a dequantised row, so the two agree bit for bit (the tests check it).
+// register; 2 or 4 weight rows advance in step (on AVX2 each row's block decoded in turn, or for
+// Q4_K each quarter block: see fused_slice), so a one-token step keeps 4 independent sums in
+// flight. Per output the same fused multiply-adds, in the same column order, on the same floats
+// as block<> over a dequantised row, so the two agree bit for bit (the tests check it).
 // The work goes in slices of K whose rows of x stay in L1 (about 16 KB), each thread keeping
 // the 16-lane partial sums of its weight rows between slices.
 constexpr int FUSED_ROWS_OF_X = kVectorRegisters == 32 ? 8 : 4;
