@@ -293,6 +293,9 @@ def _add_train(subparsers) -> None:
     cmd.add_argument("--learning-rate", type=float,
                      help="AdamW's peak rate (default: 1e-3 for heads up to 1024 wide, 2e-4 above: 1e-3 diverged "
                           "on Qwen2.5-Coder-1.5B's 1536)")
+    cmd.add_argument("--precision", default=train.precision, choices=["auto", "float32", "bfloat16"],
+                     help="the head's products while training: bfloat16 (float32 weights, autocast) or float32; "
+                          "auto: bfloat16 on a CPU with AMX tiles, float32 elsewhere (default: auto)")
     cmd.add_argument("--max-minutes", type=float, metavar="MINUTES",
                      help="train for at most this long, data generation and held-out measures not counted: "
                           "the learning-rate schedule is fitted to the steps that fit (default: all --epochs)")
@@ -332,7 +335,7 @@ def _train(args) -> int:
         per_forward = 1  # on the CPU batching did not train faster
     settings = TrainSettings(epochs=args.epochs, ttt_steps=args.ttt_steps, learning_rate=args.learning_rate,
                              eval_every_s=args.eval_every, seed=args.seed, sequences_per_step=args.sequences_per_step,
-                             sequences_per_forward=per_forward,
+                             sequences_per_forward=per_forward, precision=args.precision,
                              max_train_s=None if args.max_minutes is None else 60 * args.max_minutes)
     folder = train_head(args.target, args.out, data, settings, kind=args.kind, progress=not args.quiet,
                         device=args.device, intermediate_size=args.head_intermediate_size, restart=args.restart)

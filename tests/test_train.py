@@ -246,6 +246,12 @@ def test_a_padded_batch_learns_what_its_sequences_teach_alone(smollm2, kind):
         if steps == 1:  # one depth: the batch's mean is the positions' mean
             weighted = sum(loss * counts[0][1] for loss, counts in alone) / summed[0][1]
             assert torch.allclose(batched_loss, weighted, rtol=1e-5)
+        # Training in bfloat16 (autocast) pads rows to a bucket, in the batch and through the LM
+        # head: the same positions counted, the same loss up to bfloat16's rounding.
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            rounded_loss, rounded_counts = loss_fn(examples)
+        assert [count for _, count in rounded_counts] == [count for _, count in batched_counts]
+        assert torch.allclose(rounded_loss.float(), batched_loss, rtol=2e-2)
 
 
 def test_a_time_budget_fits_the_schedule_to_the_steps_that_fit(monkeypatch):
@@ -351,6 +357,9 @@ def test_hidden_states_recorded_while_answering_are_a_second_passes_own(smollm2,
     layers = EagleConfig.for_target(smollm2.model, "smollm2-135m", 512).hidden_layers
     chats = [[{"role": "user", "content": prompt}] for prompt in PROMPTS[:5]]
     conversations = answer(smollm2, smollm2_tokenizer, chats, 20, batch_size=3, progress=False, layers=layers)
+    # Three at a time, the next starting as one finishes: the answers all five at once give.
+    assert [c.response_ids for c in conversations] == [
+        c.response_ids for c in answer(smollm2, smollm2_tokenizer, chats, 20, batch_size=5, progress=False)]
     assert any(c.finished for c in conversations) and any(not c.finished for c in conversations)
     recorded = [example_from_answer(c) for c in conversations]
     replayed = record_features_native(smollm2.model, [Conversation(c.prompt_ids, c.response_ids[:-1])

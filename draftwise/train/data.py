@@ -143,25 +143,41 @@ def _generate(model, tokenizer, texts: list[str], max_new_tokens: int, sample: b
 
 
 def _generate_natively(model, tokenizer, texts: list[str], max_new_tokens: int, sample: bool,
-                       layers: tuple[int, ...] = ()) -> tuple[list[list[int]], list[torch.Tensor] | None]:
-    """_generate on draftwise's decoder: one batched forward per step for all texts (plain decoding;
-    sampled rows seeded from torch's global generator, which write_messages seeds). With layers,
-    also each text's hidden states there (HiddenRecorder: a row per fed token, bfloat16)."""
+                       layers: tuple[int, ...] = (), batch_size: int | None = None,
+                       bar=None) -> tuple[list[list[int]], list[torch.Tensor] | None]:
+    """_generate on draftwise's decoder: one batched forward per step for all live texts (plain
+    decoding; sampled rows seeded from torch's global generator, which write_messages seeds, in the
+    texts' order). batch_size: the most texts decoded at once (None: all); as one finishes the next
+    starts, its prompt's rows joining the next step, so the batch stays full to the end instead of
+    draining to its longest answer. With layers, also each text's hidden states there
+    (HiddenRecorder: a row per fed token, bfloat16). bar: a progress bar advanced per finished text."""
     from draftwise.config import SamplingParams
     from draftwise.engine import Engine
     from draftwise.step import run_step
 
     engine = Engine(model)
-    sequences = []
-    for text in texts:
-        seed = int(torch.randint(2**62, ())) if sample else None
-        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0 if sample else 0.0, seed=seed)
-        drafter = HiddenRecorder(layers) if layers else engine.drafter
-        sequences.append(engine.start(tokenizer.encode(text, add_special_tokens=False), params, drafter, None, 0))
-    while live := [seq for seq in sequences if not seq.finished]:
-        run_step(model.model, live, None, hidden_layers=layers)
-    rows = [list(seq.text.token_ids) + ([seq.stop_token] if seq.stop_token is not None else []) for seq in sequences]
-    return rows, [seq.drafter.features() for seq in sequences] if layers else None
+    rows: list[list[int] | None] = [None] * len(texts)
+    features: list[torch.Tensor | None] = [None] * len(texts)
+    waiting = iter(range(len(texts)))
+    live: list[tuple[int, object]] = []
+    while True:
+        while len(live) < (batch_size or len(texts)) and (index := next(waiting, None)) is not None:
+            seed = int(torch.randint(2**62, ())) if sample else None
+            params = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0 if sample else 0.0, seed=seed)
+            drafter = HiddenRecorder(layers) if layers else engine.drafter
+            live.append((index, engine.start(tokenizer.encode(texts[index], add_special_tokens=False), params,
+                                             drafter, None, 0)))
+        if not live:
+            break
+        run_step(model.model, [seq for _, seq in live], None, hidden_layers=layers)
+        for index, seq in live:
+            if seq.finished:  # kept: its tokens and hidden states; its cache goes with it
+                rows[index] = list(seq.text.token_ids) + ([seq.stop_token] if seq.stop_token is not None else [])
+                features[index] = seq.drafter.features() if layers else None
+                if bar is not None:
+                    bar.update(1)
+        live = [(index, seq) for index, seq in live if not seq.finished]
+    return rows, features if layers else None
 
 
 def _cut(ids: list[int], stop_ids: set[int]) -> tuple[list[int], bool]:
@@ -294,8 +310,9 @@ def drop_bench_prompts(chats: list[list[dict]], bench_texts: set[str]) -> tuple[
 
 def answer(model, tokenizer, chats: list[list[dict]], max_new_tokens: int, batch_size: int,
            progress: bool = True, layers: tuple[int, ...] = ()) -> list[Conversation]:
-    """The target's greedy answers (self-distillation), one per chat, in the chats' order; generated
-    in batches of similar length to pad less. layers (draftwise's decoder only): record the hidden
+    """The target's greedy answers (self-distillation), one per chat, in the chats' order, shortest
+    prompts first: on draftwise's decoder batch_size at a time, the next starting as one finishes;
+    through transformers in batches of similar length, to pad less. layers (draftwise's decoder only): record the hidden
     states there while answering (Conversation.features)."""
     rendered = [tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) for chat in chats]
     order = sorted(range(len(rendered)), key=lambda index: len(rendered[index]))
@@ -311,21 +328,27 @@ def answer(model, tokenizer, chats: list[list[dict]], max_new_tokens: int, batch
         configured = [] if configured is None else [configured] if isinstance(configured, int) else list(configured)
     stop_ids = {tokenizer.eos_token_id, *configured}
     conversations: list[Conversation | None] = [None] * len(chats)
-    for first in tqdm(range(0, len(order), batch_size), desc="answering", unit="batch", disable=not progress):
-        indices = order[first:first + batch_size]
-        texts = [rendered[index] for index in indices]
-        if native:
-            rows, recorded = _generate_natively(model, tokenizer, texts, max_new_tokens, False, layers)
-        else:
-            rows, recorded = _generate(model, tokenizer, texts, max_new_tokens, sample=False), None
-        for number, (index, text, row) in enumerate(zip(indices, texts, rows)):
+
+    def keep(indices: list[int], rows: list[list[int]], recorded: list[torch.Tensor] | None) -> None:
+        for number, (index, row) in enumerate(zip(indices, rows)):
             ids, ended = _cut(row, stop_ids)
             if ended:
                 ids = ids + [row[len(ids)]]  # keep the end-of-turn token: the head should predict it too
-            prompt_ids = tokenizer.encode(text, add_special_tokens=False)
+            prompt_ids = tokenizer.encode(rendered[index], add_special_tokens=False)
             # Rows past the kept answer (a stop id the decoder itself does not stop at) are dropped.
             features = None if recorded is None else recorded[number][: len(prompt_ids) + len(ids) - 1]
             conversations[index] = Conversation(prompt_ids, ids, ended, features)
+
+    if native:  # one stream: batch_size answers at a time, the next starting as one finishes
+        with tqdm(total=len(chats), desc="answering", unit="chat", disable=not progress) as bar:
+            rows, recorded = _generate_natively(model, tokenizer, [rendered[index] for index in order],
+                                                max_new_tokens, False, layers, batch_size, bar)
+        keep(order, rows, recorded)
+        return conversations
+    for first in tqdm(range(0, len(order), batch_size), desc="answering", unit="batch", disable=not progress):
+        indices = order[first:first + batch_size]
+        keep(indices, _generate(model, tokenizer, [rendered[index] for index in indices], max_new_tokens,
+                                sample=False), None)
     return conversations
 
 

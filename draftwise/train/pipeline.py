@@ -25,8 +25,8 @@ from draftwise.heads.medusa import MedusaConfig, MedusaHeads
 from draftwise.models import loading
 from draftwise.train import data as datagen
 from draftwise.train.losses import eagle_loss, medusa_loss
-from draftwise.train.trainer import (TrainSettings, TrainState, default_learning_rate, draft_vocabulary, load_checkpoint,
-                                     save_checkpoint, train)
+from draftwise.train.trainer import (TrainSettings, TrainState, default_learning_rate, default_precision,
+                                     draft_vocabulary, load_checkpoint, save_checkpoint, train)
 
 KINDS = ("eagle", "medusa")
 
@@ -296,6 +296,8 @@ def _train_head(target_name: str, output: Path, data_settings: DataSettings, set
         head = MedusaHeads(config)
     if settings.learning_rate is None:
         settings = replace(settings, learning_rate=default_learning_rate(config.hidden_size))
+    if settings.precision == "auto":
+        settings = replace(settings, precision=default_precision(train_on))
     head.draft_to_target.copy_(vocabulary)  # before the loss maps labels through it
     with torch.no_grad():
         head.lm_head.weight.copy_(bundle["lm_head"][vocabulary])  # the target's own LM head rows ...
@@ -328,7 +330,7 @@ def _train_head(target_name: str, output: Path, data_settings: DataSettings, set
         "sequences_per_step": settings.sequences_per_step, "sequences_per_forward": settings.sequences_per_forward,
         "epochs_trained": round(state.step * settings.sequences_per_step / len(examples), 2),
         "max_train_s": settings.max_train_s,
-        "ttt_steps": settings.ttt_steps, "learning_rate": settings.learning_rate, "curve": state.curve,
+        "ttt_steps": settings.ttt_steps, "learning_rate": settings.learning_rate, "precision": settings.precision, "curve": state.curve,
         "bench_prompts_dropped": bundle["num_bench_prompts_dropped"], "device": device_name(train_on),
     })
     return head.cpu().save(output / kind)
