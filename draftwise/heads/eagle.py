@@ -14,6 +14,7 @@ never what is emitted (the target verifies every one).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -158,14 +159,12 @@ class EagleHead(nn.Module):
         batched = q.dim() == 4
         if not batched:
             q, keys, values = q[None], keys[None], values[None]
-        device = q.device.type
-        if torch.is_autocast_enabled(device):  # training in bfloat16: attention stays float32, as
-            # PyTorch's CPU attention backward ran ~3x slower in bfloat16 (AMX Xeon, 124-189 rows)
-            with torch.autocast(device, enabled=False):
-                attended = F.scaled_dot_product_attention(q.float().transpose(1, 2), keys.float().transpose(1, 2),
-                                                          values.float().transpose(1, 2), attn_mask=mask,
-                                                          enable_gqa=True)  # [B, heads, R, d]
-        else:
+        # Training in bfloat16 (autocast): attention stays float32, as PyTorch's CPU attention
+        # backward ran ~3x slower in bfloat16 (AMX Xeon, 124-189 rows).
+        rounding = torch.is_autocast_enabled(q.device.type)
+        with torch.autocast(q.device.type, enabled=False) if rounding else contextlib.nullcontext():
+            if rounding:
+                q, keys, values = q.float(), keys.float(), values.float()
             attended = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
                                                       attn_mask=mask, enable_gqa=True)  # [B, heads, R, d]
         attended = attended.transpose(1, 2).flatten(-2)  # [B, R, heads * d]

@@ -312,8 +312,8 @@ def answer(model, tokenizer, chats: list[list[dict]], max_new_tokens: int, batch
            progress: bool = True, layers: tuple[int, ...] = ()) -> list[Conversation]:
     """The target's greedy answers (self-distillation), one per chat, in the chats' order, shortest
     prompts first: on draftwise's decoder batch_size at a time, the next starting as one finishes;
-    through transformers in batches of similar length, to pad less. layers (draftwise's decoder only): record the hidden
-    states there while answering (Conversation.features)."""
+    through transformers in batches of similar length, to pad less. layers (draftwise's decoder
+    only): record the hidden states there while answering (Conversation.features)."""
     rendered = [tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) for chat in chats]
     order = sorted(range(len(rendered)), key=lambda index: len(rendered[index]))
     from draftwise.models.loading import LoadedModel

@@ -41,9 +41,13 @@ class Padded:
     num_prompt_tokens: torch.Tensor  # [B]
 
 
+def _round_up(count: int, multiple: int) -> int:
+    return -(-count // multiple) * multiple
+
+
 def pad(examples: list[Example], device: torch.device, multiple: int = 1) -> Padded:
     """Padded at the end to the longest, rounded up to a multiple of `multiple`."""
-    longest = -(-max(e.tokens.shape[0] for e in examples) // multiple) * multiple
+    longest = _round_up(max(e.tokens.shape[0] for e in examples), multiple)
 
     def stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
         out = tensors[0].new_zeros(len(tensors), longest, *tensors[0].shape[1:])
@@ -88,7 +92,7 @@ class _Logits:
 
     def __call__(self, rows: torch.Tensor, bucket: int) -> torch.Tensor:
         count = rows.shape[0]
-        padded = -(-count // bucket) * bucket
+        padded = _round_up(count, bucket)
         if padded > count:
             rows = torch.cat((rows, rows.new_zeros(padded - count, rows.shape[1])))
         weight = self.head.lm_head.weight

@@ -330,7 +330,8 @@ def _train_head(target_name: str, output: Path, data_settings: DataSettings, set
         "sequences_per_step": settings.sequences_per_step, "sequences_per_forward": settings.sequences_per_forward,
         "epochs_trained": round(state.step * settings.sequences_per_step / len(examples), 2),
         "max_train_s": settings.max_train_s,
-        "ttt_steps": settings.ttt_steps, "learning_rate": settings.learning_rate, "precision": settings.precision, "curve": state.curve,
+        "ttt_steps": settings.ttt_steps, "learning_rate": settings.learning_rate, "precision": settings.precision,
+        "curve": state.curve,
         "bench_prompts_dropped": bundle["num_bench_prompts_dropped"], "device": device_name(train_on),
     })
     return head.cpu().save(output / kind)
