@@ -96,23 +96,19 @@ inline const v16 kIota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 inline const vi16 kLanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 #endif
 
-// The float16 at p, as a float32 in all 16 lanes (converted in a vector register: no scalar
-// round trip).
+// The float16 at p, as a float32 in all 16 lanes: broadcast from HalfTable's entry, a load
+// alone (SmolLM2's one-row Q4_1 products: see HalfTable).
 inline v16 splat_half(const uint8_t* p) {
 #if defined(__AVX512F__)
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-  const __m512 v = _mm512_cvtph_ps(_mm256_set1_epi16(int16_t(bits)));
+  const __m512 v = _mm512_set1_ps(half_value(p));
   v16 out;
   std::memcpy(&out, &v, sizeof out);
   return out;
-#elif defined(DRAFTWISE_V16_PAIR) && defined(__F16C__)  // a v16 of two 256-bit halves (join)
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-  const __m256 half = _mm256_cvtph_ps(_mm_set1_epi16(int16_t(bits)));  // exact, as half_to_float
+#elif defined(DRAFTWISE_V16_PAIR) && defined(__AVX__)  // a v16 of two 256-bit halves (join)
+  const __m256 half = _mm256_broadcast_ss(&half_value(p));
   return join(half, half);
 #else
-  return v16{} + half_to_float(p);
+  return v16{} + half_value(p);
 #endif
 }
 
