@@ -11,6 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gguf import quants
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from draftwise.models import kernels as kernels_module
 from draftwise.models.gguf_index import read_index
@@ -412,6 +414,37 @@ def test_row_wise_ops_match_pytorch(kernels):
     x, weight = torch.randn(6, 576), torch.randn(576)
     reference = weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
     assert (kernels.rms_norm(x, weight, 1e-5) - reference).abs().max() < 1e-5
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 70).flatmap(lambda width: st.lists(
+    st.lists(st.sampled_from([-1.0, 0.0, -0.0, 2.0, 2.0, 3.0, 3.0, float("nan"), float("-inf"), float("inf")]),
+             min_size=width, max_size=width), min_size=1, max_size=9)))
+def test_argmax_rows_is_torch_argmax_with_ties_nans_and_tails(rows):
+    """The kernel behind greedy verification: each row's first maximum, a NaN the largest,
+    over widths that end inside and outside the 16-lane steps (the lanes each keep their own)."""
+    built = kernels_module.native_kernels(progress=False)
+    logits = torch.tensor(rows)
+    assert torch.equal(built.argmax_rows(logits), logits.argmax(dim=-1))
+
+
+def test_greedy_verification_takes_its_argmax_from_the_loaded_kernels(kernels, monkeypatch):
+    """Over a real vocabulary's width, random and with planted ties (the first must win), the
+    verifier's argmax_rows answers what torch does; and it runs the kernel once one is loaded,
+    never starting a build itself."""
+    from draftwise import verify
+
+    logits = torch.randn(10, 49152)
+    logits[3, 100] = logits[3, 100 + 16 * 2491] = logits[3].max() + 1.0  # one lane: its first must win
+    logits[4, 7] = float("nan")
+    calls = []
+    monkeypatch.setattr(verify, "loaded_kernels", lambda: calls.append(1) or kernels)
+    assert torch.equal(verify.argmax_rows(logits), logits.argmax(dim=-1))
+    assert calls and int(verify.argmax_rows(logits)[3]) == 100
+    monkeypatch.setattr(kernels_module, "_BUILT", {})
+    monkeypatch.setattr(verify, "loaded_kernels", kernels_module.loaded_kernels)
+    assert verify.loaded_kernels() is None  # nothing built in this process: max() answers
+    assert torch.equal(verify.argmax_rows(logits), logits.argmax(dim=-1))
 
 
 def test_bad_shapes_are_refused_with_the_reason(kernels):

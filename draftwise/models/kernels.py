@@ -46,6 +46,12 @@ def native_kernels(progress: bool = True) -> ModuleType | None:
 _BUILT: dict[str, ModuleType | None] = {}
 
 
+def loaded_kernels() -> ModuleType | None:
+    """The kernels module if this process has already built or loaded it, else None: for ops
+    that may use the kernels but must never start a build (the verifier on hand-made logits)."""
+    return _BUILT.get("kernel")
+
+
 def _build(progress: bool) -> ModuleType | None:
     from torch.utils.cpp_extension import load
 

@@ -32,6 +32,9 @@ bool amx_in_hardware();
 at::Tensor dequantize_rows(const at::Tensor& weight, int64_t format, int64_t K, const at::Tensor& ids);
 // x [T, H] -> x / sqrt(mean(x^2) + eps) * weight, row by row.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+// logits [N, V] float32 -> [N] int64: each row's argmax, the first of equal maxima, a NaN counting
+// as the largest (its first one): what torch's max(dim=-1).indices gives.
+at::Tensor argmax_rows(const at::Tensor& logits);
 // silu(gate) * up, elementwise, [T, I].
 at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up);
 // Rotary position embedding of x [T, H, D] in place, cos / sin [T, D]; bit for bit PyTorch's

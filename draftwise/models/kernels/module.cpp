@@ -14,6 +14,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_dot_in_hardware", &draftwise::bf16_dot_in_hardware, "whether bf16_linear runs on AVX-512 BF16");
   m.def("dequantize_rows", &draftwise::dequantize_rows, "rows of a blocked weight as float32");
   m.def("rms_norm", &draftwise::rms_norm, "RMSNorm, row by row");
+  m.def("argmax_rows", &draftwise::argmax_rows, "each row's argmax (the first of equal maxima, NaN the largest)");
   m.def("silu_mul", &draftwise::silu_mul, "silu(gate) * up");
   m.def("rotary", &draftwise::rotary, "rotary position embedding of x [T, H, D], in place");
   m.def("attention", &draftwise::attention, "attention of new queries over the KV cache (chain or tree mask)",
