@@ -324,16 +324,17 @@ static int64_t argmax_row(const float* x, int64_t V) {
     for (int64_t t = 0; t < V; ++t)
       if (x[t] != x[t]) return t;
   }
-  float best = -__builtin_inff();
-  int64_t best_at = 0;
+  float best = x[0];  // a row shorter than one step starts from its first value
+  int64_t best_at = 0, tail = 1;
   if (k > 0) {
     for (int i = 0; i < 16; ++i) best = std::max(best, top[i]);
     best_at = V;
     for (int i = 0; i < 16; ++i)
       if (top[i] == best) best_at = std::min<int64_t>(best_at, at[i]);
+    tail = k;
   }
-  for (int64_t t = k; t < V; ++t)
-    if (x[t] > best || (t == 0 && k == 0)) {
+  for (int64_t t = tail; t < V; ++t)
+    if (x[t] > best) {
       best = x[t];
       best_at = t;
     }
