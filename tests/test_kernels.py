@@ -513,6 +513,16 @@ def test_no_compiler_fuses_products_and_sums_by_itself_and_each_compiler_has_its
     assert kernels_module._build_directory() != directory
 
 
+def test_an_instruction_set_asked_for_gets_its_own_build(monkeypatch):
+    """DRAFTWISE_MARCH builds for another instruction set (the AVX2 paths on an AVX-512 CPU): its
+    flag reaches the compiler, and its library never answers for this CPU's own build."""
+    monkeypatch.delenv(kernels_module.MARCH_ENV, raising=False)
+    native = kernels_module._build_directory()
+    monkeypatch.setenv(kernels_module.MARCH_ENV, "x86-64-v3")
+    assert kernels_module._arch_flags() == ["-march=x86-64-v3"]
+    assert kernels_module._build_directory() != native
+
+
 def test_each_checkout_of_the_same_sources_has_its_own_build(monkeypatch, tmp_path):
     """PyTorch's builder writes the sources' paths into the build: a build shared by two checkouts
     was rebuilt whenever the other one loaded it."""

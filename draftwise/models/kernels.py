@@ -29,6 +29,10 @@ SOURCES = ("linear.cpp", "int8_linear.cpp", "bf16_linear.cpp", "amx_linear.cpp",
 # DRAFTWISE_KERNEL=0 skips the kernels (PyTorch ops only): for comparisons and for machines where
 # building is unwanted.
 DISABLE_ENV = "DRAFTWISE_KERNEL"
+# DRAFTWISE_MARCH=x86-64-v3 (any -march value) builds for that instruction set instead of this
+# CPU's: a developer's way to run and time the AVX2 paths (what an AMD EPYC Zen 3 builds) on a CPU
+# with AVX-512. Its own build; auto activations then follow what the build has (float32 there).
+MARCH_ENV = "DRAFTWISE_MARCH"
 
 
 
@@ -128,7 +132,10 @@ def _contraction_flags() -> list[str]:
 
 
 def _arch_flags() -> list[str]:
-    # Built on the machine that runs it, so it may use every instruction this CPU has.
+    # Built on the machine that runs it, so it may use every instruction this CPU has (or, with
+    # DRAFTWISE_MARCH, those of the instruction set it names).
+    if os.environ.get(MARCH_ENV):
+        return [f"-march={os.environ[MARCH_ENV]}"]
     return ["-march=native"] if platform.machine() in ("x86_64", "AMD64") else []
 
 
@@ -160,7 +167,7 @@ def _build_directory() -> Path:
     if flags:
         cpu += flags
     sources = b"".join(path.read_bytes() for path in sorted(KERNEL_DIR.glob("*.[ch]*")))
-    compiler = "|".join(_compiler()) + "|" + " ".join(_contraction_flags())  # another compiler, another build
+    compiler = "|".join(_compiler()) + "|" + " ".join(_contraction_flags() + _arch_flags())  # another compiler or -march, another build
     checkout = str(KERNEL_DIR.resolve())
     key = hashlib.sha256(f"{torch.__version__}|{cpu}|{compiler}|{checkout}".encode() + sources).hexdigest()[:12]
     return registry.cache_root() / "kernels" / f"draftwise_kernels-{key}"
