@@ -73,7 +73,7 @@ def llama_cpp_costs(model: str, threads: int, prefill: int, rounds: int = 4, con
     tic = time.perf_counter()
     llm.eval([1000 + (7 * i) % 5000 for i in range(prefill)])
     rate = prefill / (time.perf_counter() - tic)
-    row = " / ".join(f"{costs[n]:.0f}" for n in costs)
+    row = " / ".join(f"{costs[n]:.1f}" for n in costs)
     ratios = " / ".join(f"{costs[n] / costs[1]:.2f}x" for n in costs)
     print(f"{model} llama.cpp (its GGUF file): forward ms for 1/2/4/9/16 tokens: {row} ({ratios}) | "
           f"prefill {prefill} tokens: {rate:.0f} tok/s", flush=True)
@@ -101,7 +101,7 @@ def main() -> None:
         load_s = time.perf_counter() - tic
         costs = {n: forward_ms(model, n) for n in (1, 2, 4, 9, 16)}
         one = costs[1]
-        row = " / ".join(f"{costs[n]:.0f}" for n in costs)
+        row = " / ".join(f"{costs[n]:.1f}" for n in costs)
         ratios = " / ".join(f"{costs[n] / one:.2f}x" for n in costs)
         chunk = Engine(loaded).prefill_chunk  # the engine's: 512-token forwards on AMX tiles, else whole
         rate = prefill_rate(model, args.prefill, chunk) if args.prefill else float("nan")
