@@ -420,12 +420,11 @@ def test_row_wise_ops_match_pytorch(kernels):
 @given(st.integers(1, 70).flatmap(lambda width: st.lists(
     st.lists(st.sampled_from([-1.0, 0.0, -0.0, 2.0, 2.0, 3.0, 3.0, float("nan"), float("-inf"), float("inf")]),
              min_size=width, max_size=width), min_size=1, max_size=9)))
-def test_argmax_rows_is_torch_argmax_with_ties_nans_and_tails(rows):
+def test_argmax_rows_is_torch_argmax_with_ties_nans_and_tails(kernels, rows):
     """The kernel behind greedy verification: each row's first maximum, a NaN the largest,
     over widths that end inside and outside the 16-lane steps (the lanes each keep their own)."""
-    built = kernels_module.native_kernels(progress=False)
     logits = torch.tensor(rows)
-    assert torch.equal(built.argmax_rows(logits), logits.argmax(dim=-1))
+    assert torch.equal(kernels.argmax_rows(logits), logits.argmax(dim=-1))
 
 
 def test_greedy_verification_takes_its_argmax_from_the_loaded_kernels(kernels, monkeypatch):
