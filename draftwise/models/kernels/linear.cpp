@@ -185,9 +185,11 @@ constexpr int64_t FUSED_X_BYTES = 16 * 1024;
 // partial[j * stride + i] (16 lanes) += x row i . weight row j over `columns` columns.
 // ahead: bytes from a block to the one the next call will read (prefetched here: the hardware
 // prefetchers lose track of several short row streams read in step; measured 2x slower).
-template <typename B, int NUM_X, int NUM_W>
+// kept (AVX2, one weight row): each decoded group is also stored there, in column order, for the
+// other groups of x rows to read (fused_from_kept) instead of decoding the row again.
+template <typename B, int NUM_X, int NUM_W, bool KEEP = false>
 inline void fused_slice(const float* x, const uint8_t* const* rows, v16* partial, int64_t stride, int64_t columns,
-                        int64_t K, int64_t ahead) {
+                        int64_t K, int64_t ahead, float* kept = nullptr) {
   v16 acc[NUM_X][NUM_W];
   const uint8_t* block[NUM_W];
   for (int j = 0; j < NUM_W; ++j) {
@@ -216,6 +218,7 @@ inline void fused_slice(const float* x, const uint8_t* const* rows, v16* partial
 #pragma GCC unroll 4
       for (int j = 0; j < NUM_W; ++j)
         B::template decode<1>(&block[j], [&](int g, const v16* w) DRAFTWISE_INLINE_LAMBDA {
+          if constexpr (KEEP) store16(kept + b * B::WEIGHTS + 16 * g, w[0]);
 #pragma GCC unroll 8
           for (int i = 0; i < NUM_X; ++i) acc[i][j] = fmadd(load16(xb + i * K + 16 * g), w[0], acc[i][j]);
         });
@@ -236,14 +239,31 @@ inline void fused_slice(const float* x, const uint8_t* const* rows, v16* partial
     for (int i = 0; i < NUM_X; ++i) partial[j * stride + i] = acc[i][j];
 }
 
-template <typename B, int NUM_W, int NUM_X = FUSED_ROWS_OF_X>
+template <typename B, int NUM_W, int NUM_X = FUSED_ROWS_OF_X, bool KEEP = false>
 inline void fused_slice_rows(int64_t num_x, const float* x, const uint8_t* const* rows, v16* partial, int64_t stride,
-                             int64_t columns, int64_t K, int64_t ahead) {
+                             int64_t columns, int64_t K, int64_t ahead, float* kept = nullptr) {
   if constexpr (NUM_X > 1) {
-    if (num_x < NUM_X) return fused_slice_rows<B, NUM_W, NUM_X - 1>(num_x, x, rows, partial, stride, columns, K, ahead);
+    if (num_x < NUM_X)
+      return fused_slice_rows<B, NUM_W, NUM_X - 1, KEEP>(num_x, x, rows, partial, stride, columns, K, ahead, kept);
   }
-  fused_slice<B, NUM_X, NUM_W>(x, rows, partial, stride, columns, K, ahead);
+  fused_slice<B, NUM_X, NUM_W, KEEP>(x, rows, partial, stride, columns, K, ahead, kept);
 }
+
+template <int NUM_W>
+inline void micro_rows(int64_t num_x, const float* x, int64_t x_stride, const float* w, int64_t w_stride,
+                       v16* partial, int64_t columns, int64_t cols, Ends ends);
+
+// AVX2, more than one group of x rows: the first group's call decodes each weight row once into
+// `kept` (a slice of floats, in L1) while it multiplies, and the other groups multiply those floats
+// (micro: the same fused multiply-adds on the same values in the same column order, so the same
+// bits) instead of decoding the row again: a group's decode costs conversions and multiply-adds
+// on the ports its products need.
+#if defined(DRAFTWISE_V16_PAIR)
+inline void fused_from_kept(int64_t num_x, const float* x, int64_t K, const float* kept, v16* partial,
+                            int64_t columns) {
+  micro_rows<1>(num_x, x, K, kept, 0, partial, columns, 1, Ends{});
+}
+#endif
 
 void fused(const float* x, const uint8_t* w, int64_t format, float* y, int64_t M, int64_t K, int64_t N,
            int64_t row_bytes) {
@@ -254,11 +274,19 @@ void fused(const float* x, const uint8_t* w, int64_t format, float* y, int64_t M
   const int64_t abreast = kVectorRegisters == 32 ? (per_group <= 2 ? 4 : 2) : (per_group <= 2 ? 2 : 1);
   with_blocks(format, [&](auto blocks) {
     using B = decltype(blocks);
-    const int64_t x_columns = FUSED_X_BYTES / 4 / per_group / B::WEIGHTS * B::WEIGHTS;
+    // AVX2 with several groups: each weight row decoded once (fused_from_kept), all M rows of x
+    // in L1 per slice.
+#if defined(DRAFTWISE_V16_PAIR)
+    const bool keep = groups > 1 && !kDecodesByTurns<B>;
+#else
+    const bool keep = false;
+#endif
+    const int64_t x_columns = FUSED_X_BYTES / 4 / (keep ? M : per_group) / B::WEIGHTS * B::WEIGHTS;
     const int64_t slice = std::clamp<int64_t>(x_columns, B::WEIGHTS, K);
     const int64_t chunks = (N + FUSED_ROWS_OF_W - 1) / FUSED_ROWS_OF_W;
     at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
-      v16* partial = reinterpret_cast<v16*>(thread_buffer(FUSED_ROWS_OF_W * M * 16));
+      v16* partial = reinterpret_cast<v16*>(thread_buffer(FUSED_ROWS_OF_W * M * 16 + (keep ? slice : 0)));
+      [[maybe_unused]] float* kept = reinterpret_cast<float*>(partial + FUSED_ROWS_OF_W * M);
       for (int64_t c = c0; c < c1; ++c) {
         const int64_t n0 = c * FUSED_ROWS_OF_W, rows = std::min(FUSED_ROWS_OF_W, N - n0);
         for (int64_t i = 0; i < rows * M; ++i) partial[i] = v16{};
@@ -266,6 +294,18 @@ void fused(const float* x, const uint8_t* w, int64_t format, float* y, int64_t M
           const int64_t columns = std::min(slice, K - k0);
           const uint8_t* row[FUSED_ROWS_OF_W];
           for (int64_t r = 0; r < rows; ++r) row[r] = w + (n0 + r) * row_bytes + k0 / B::WEIGHTS * B::BYTES;
+#if defined(DRAFTWISE_V16_PAIR)
+          if (keep) {
+            const int64_t next = row_bytes;  // what the next call reads: the next row
+            for (int64_t r = 0; r < rows; ++r) {
+              fused_slice_rows<B, 1, FUSED_ROWS_OF_X, true>(per_group, x + k0, row + r, partial + r * M, M, columns, K,
+                                                            next, kept);
+              for (int64_t m = per_group; m < M; m += per_group)
+                fused_from_kept(std::min(per_group, M - m), x + m * K + k0, K, kept, partial + r * M + m, columns);
+            }
+            continue;
+          }
+#endif
           for (int64_t m = 0; m < M; m += per_group) {
             const int64_t num_x = std::min(per_group, M - m);
             const float* xm = x + m * K + k0;
