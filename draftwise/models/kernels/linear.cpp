@@ -4,7 +4,7 @@
 // On block formats no float32 copy of W is ever kept: each block is decoded 16 weights at a
 // time in registers (blocks.h) and multiplied into up to 8 rows of x at once, several weight
 // rows in step, with the next rows prefetched. A decode or verify step (up to 11 rows; on AVX2
-// up to 8, or 4 for Q4_K and Q6_K: block_tile_min_rows) runs all its rows against each weight
+// up to 12, or 4 for Q4_K and Q6_K: block_tile_min_rows) runs all its rows against each weight
 // row. From 12 rows on (a long verify, a prefill) a tile of
 // weight rows (32 rows x 2048 columns) is decoded into float32 in cache once per 96 rows of x
 // and 6 x 4 register blocks run over it (Qwen2.5-1.5B, 256 rows: 60 -> 77 GMAC/s against
@@ -428,9 +428,13 @@ constexpr int64_t BLOCK_TILE_M = 96, BLOCK_TILE_N = 32, BLOCK_TILE_K = 2048;
 // 8 tokens 1.27x / 1.15x / 1.12x / 1.08x, 9 / 12 / 16 tokens 0.93x / 0.92x / 0.85x; one matrix
 // alone, warm in cache, had favoured the tiles from 5 rows), from 5 for Q4_K and Q6_K, whose
 // decoding costs more (Qwen2.5-Coder-1.5B forwards at 5 and 8 tokens: fused 0.95x the tiles).
+// Since the groups after the first multiply the first group's decoded floats (fused_from_kept),
+// 32-weight blocks stay on the fused path up to 12 rows (AVX2 build on the AMX Xeon, model 207,
+// SmolLM2 forwards, best of 6 alternating processes, tiles against fused: 9 / 12 / 16 tokens
+// 35.4 / 42.6 / 54.8 ms against 33.7 / 41.5 / 57.1; a Zen 3 not yet measured).
 inline int64_t block_tile_min_rows(int64_t format) {
   if (kVectorRegisters == 32) return 12;
-  return format == Q4_K || format == Q6_K ? 5 : 9;
+  return format == Q4_K || format == Q6_K ? 5 : 13;
 }
 
 void prefill_blocks(const float* x, const uint8_t* w, int64_t format, float* y, int64_t M, int64_t K, int64_t N,
