@@ -245,9 +245,12 @@ def _bench(args) -> int:
     import torch
 
     # BenchConfig set the threads every method ran with (torch's default when not given).
+    from draftwise.models.kernels import machine
+
     paths = write_report(args.out, asdict(config) | {"threads": torch.get_num_threads(),
                                                      "activations": methods[0].engine.target.activations,
-                                                     "kv_cache": methods[0].engine.target.kv_cache}, rows, skipped)
+                                                     "kv_cache": methods[0].engine.target.kv_cache,
+                                                     "machine": machine()}, rows, skipped)
     print(paths[1].read_text())
     if not any(path.suffix == ".png" for path in paths):
         print("no plots: install matplotlib (pip install -e '.[bench]')", file=sys.stderr)

@@ -141,6 +141,12 @@ def test_bench_quick_runs_and_writes_its_reports(smollm2, capsys, tmp_path):
     summary = json.loads((tmp_path / "bench.json").read_text())
     assert summary["config"]["max_new_tokens"] == 32
     assert all(row["same_as_reference"] is not False for row in summary["rows"])
+    # The report says what it ran on: this CPU and the kernels the models ran through.
+    from draftwise.models.kernels import machine, native_kernels
+
+    recorded = summary["config"]["machine"]
+    assert recorded["cpu"] == machine()["cpu"] and recorded["kernels"] == native_kernels().vector_paths()
+    assert f"{recorded['kernels']} kernels" in out.splitlines()[0]
 
 
 def test_commands_other_than_serve_work_without_the_server_extras():

@@ -6,6 +6,8 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+from draftwise.models.kernels import describe_machine
+
 # Speed-ups are reported against each of these that ran.
 BASELINES = ("draftwise plain", "transformers plain", "transformers prompt lookup", "transformers universal assisted",
              "llama.cpp plain")
@@ -103,7 +105,8 @@ def write_report(out_dir: Path, config: dict, rows: list[dict], skipped: list[st
              f"{f' (transformers {transformers_dtype})' if transformers_dtype else ''}, "
              f"max_new_tokens {config['max_new_tokens']}, median of {config['repeats']}, "
              f"{config['threads']} threads")
-    table = markdown_table(summary, title)
+    machine = f" on {describe_machine(config['machine'])}" if config.get("machine") else ""
+    table = markdown_table(summary, title + machine)  # every number beside the CPU and kernels it ran on
     if skipped:
         table += "\nSkipped:\n" + "".join(f"- {note}\n" for note in skipped)
     paths = [out_dir / "bench.json", out_dir / "bench.md"]

@@ -155,6 +155,47 @@ def has_vnni() -> bool:
     return "avx512_vnni" in _cpu_flags_line().split()
 
 
+# The CPU's vector extensions that decide which kernel paths run (and how fast).
+_VECTOR_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16")
+
+
+def machine() -> dict:
+    """What a measurement ran on, for reports: the CPU's name, family and model and its vector
+    extensions that the kernels use (from /proc/cpuinfo), and the kernels this process loaded:
+    their vector paths (avx512, avx2 or generic; none where they are off or unbuilt) and the
+    instruction set asked for with DRAFTWISE_MARCH. Never starts a build."""
+    fields: dict[str, str] = {}
+    cpuinfo = Path("/proc/cpuinfo")
+    for line in cpuinfo.read_text().splitlines() if cpuinfo.exists() else ():
+        key, _, value = line.partition(":")
+        if not line.strip():
+            break  # the first processor is enough
+        fields.setdefault(key.strip(), value.strip())
+    flags = set(fields.get("flags", "").split())
+    kernels = loaded_kernels()
+    return {
+        "cpu": fields.get("model name") or platform.processor() or platform.machine(),
+        "family_model": f"{fields['cpu family']}/{fields['model']}" if "cpu family" in fields and "model" in fields else None,
+        "vector_flags": [flag for flag in _VECTOR_FLAGS if flag in flags],
+        "kernels": kernels.vector_paths() if kernels is not None else None,
+        "march": os.environ.get(MARCH_ENV) or None,
+    }
+
+
+def describe_machine(description: dict) -> str:
+    """machine() in a line: "Intel(R) Xeon(R) Processor, family/model 6/207, avx2 fma avx512f ...,
+    avx512 kernels"."""
+    parts = [description["cpu"]]
+    if description.get("family_model"):
+        parts.append(f"family/model {description['family_model']}")
+    if description.get("vector_flags"):
+        parts.append(" ".join(description["vector_flags"]))
+    kernels = description.get("kernels")
+    march = f" (-march={description['march']})" if description.get("march") else ""
+    parts.append(f"{kernels} kernels{march}" if kernels else "no native kernels")
+    return ", ".join(parts)
+
+
 def _build_directory() -> Path:
     """One build per torch version, kernel sources and CPU: a cache shared by machines of
     different CPUs must not hand one machine's -march=native library to another. And one per

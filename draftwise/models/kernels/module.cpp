@@ -5,6 +5,21 @@
 
 #include "decoder.h"
 
+namespace {
+
+// Which vector code the compiler built (vec.h): what a report or a test states beside a number.
+const char* vector_paths() {
+#if defined(__AVX512F__)
+  return "avx512";
+#elif defined(DRAFTWISE_V16_PAIR)
+  return "avx2";
+#else
+  return "generic";
+#endif
+}
+
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("blocked_linear", &draftwise::blocked_linear, "x [M, K] float32 @ W.T, W in a GGUF block format");
   m.def("int8_linear", &draftwise::int8_linear, "x [M, K] rounded to int8 @ W.T, W in a GGUF block format");
@@ -12,6 +27,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_linear", &draftwise::amx_linear, "x [M, K] rounded to bfloat16 @ W.T rounded to bfloat16, on AMX tiles");
   m.def("amx_in_hardware", &draftwise::amx_in_hardware, "whether amx_linear can run here (AMX-BF16, OS permission)");
   m.def("bf16_dot_in_hardware", &draftwise::bf16_dot_in_hardware, "whether bf16_linear runs on AVX-512 BF16");
+  m.def("vector_paths", &vector_paths,
+        "the vector code this build compiled: avx512, avx2 (pairs of 256-bit vectors) or generic");
   m.def("dequantize_rows", &draftwise::dequantize_rows, "rows of a blocked weight as float32");
   m.def("rms_norm", &draftwise::rms_norm, "RMSNorm, row by row");
   m.def("argmax_rows", &draftwise::argmax_rows, "each row's argmax (the first of equal maxima, NaN the largest)");
