@@ -124,3 +124,16 @@ def test_a_load_of_the_files_own_blocks_describes_the_folder_and_leaves_the_weig
     assert loading.resolve("fake-model", progress=False) == folder  # weights there: nothing more to do
     assert loading.resolve("fake-model", progress=False, weights=False) == folder
     assert calls == ["describe", "convert"]
+
+
+def test_an_unknown_model_is_refused_before_the_kernels_are_compiled(monkeypatch):
+    """A first load compiles the kernels (minutes on 2 cores); a mistyped model name must not wait for it."""
+    from draftwise.errors import ModelNotFoundError
+    from draftwise.models import loading
+
+    def no_build(progress=True):
+        raise AssertionError("the kernels were built before the model was resolved")
+
+    monkeypatch.setattr(loading, "native_kernels", no_build)
+    with pytest.raises(ModelNotFoundError, match="unknown model 'smollm2-135n'"):
+        loading.load("smollm2-135n")

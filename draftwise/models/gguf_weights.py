@@ -17,6 +17,7 @@ from gguf import GGMLQuantizationType as WeightFormat
 
 from draftwise.errors import ModelLoadError
 from draftwise.models.gguf_index import read_index
+from draftwise.models.linear import NATIVE_FORMATS
 
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 LAYER_NAMES = {
@@ -71,3 +72,23 @@ def _llama_rotary_rows(num_rows: int, num_heads: int) -> torch.Tensor:
     inverse of convert_hf_to_gguf's `permute`, as transformers' GGUF loader applies it)."""
     half = num_rows // num_heads // 2
     return torch.arange(num_rows).reshape(num_heads, half, 2).transpose(1, 2).reshape(-1)
+
+
+def dequantised_note(path: Path, tensors: dict) -> str | None:
+    """A warning's text where some of read_blocks' matrices are in a format the kernels do not run
+    as blocks (Q2_K, Q3_K, the IQ formats, ...): those are dequantised to float32 when the model
+    is built, so they take 32 bits a weight in memory and in every forward. None where there are none."""
+    others = {name: entry for name, entry in tensors.items()
+              if isinstance(entry, tuple) and entry[1] not in NATIVE_FORMATS}
+    if not others:
+        return None
+    formats = sorted({entry[1].name for entry in others.values()})
+    matrices = [entry for entry in tensors.values() if isinstance(entry, tuple)]
+    as_float = sum(entry[0].shape[0] * entry[2] * 4 for entry in others.values())
+    as_stored = sum(entry[0].numel() for entry in others.values())
+    native = sorted(format.name for format in NATIVE_FORMATS)
+    return (f"{path.name}: {len(others)} of its {len(matrices)} weight matrices are {', '.join(formats)}, which "
+            f"draftwise's kernels do not run as blocks: they are dequantised to float32 ({as_float / 2**20:,.0f} MB "
+            f"in memory against {as_stored / 2**20:,.0f} MB in the file) and read at 32 bits a weight, slower. "
+            f"The kernels run {', '.join(native)} as shipped: a Q4_K_M, Q5_K_M, Q6_K or Q8_0 file of the same "
+            "model loads in its own bytes.")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from draftwise.kv_cache import cache_dtype, check_kv_cache, kv_cache_name
 from draftwise.models import registry
 from draftwise.models.base import ModelInfo
 from draftwise.models.hf import HFModel, load_hf_model
-from draftwise.models.gguf_weights import read_blocks
+from draftwise.models.gguf_weights import dequantised_note, read_blocks
 from draftwise.models.kernels import native_kernels
 from draftwise.models.linear import (WeightFormat, check_activations, check_quantize, default_activations,
                                      use_activations)
@@ -117,10 +118,12 @@ def load(spec: str, dtype: str = "auto", auto_fetch: bool = False, progress: boo
     check_quantize(quantize)  # before the slow part
     check_activations(activations)
     check_kv_cache(kv_cache)
-    native_kernels(progress)  # the first load on a machine compiles them: say so
     keep_freed_memory()  # forwards reuse their tensors' pages instead of faulting them in again
     own_blocks = dtype == "auto" and quantize is None  # a GGUF model then runs its file's blocks
     folder = resolve(spec, auto_fetch=auto_fetch, progress=progress, weights=not own_blocks)
+    # The first load on a machine compiles the kernels (minutes): say so, and only once the model
+    # is known to exist, so that a mistyped name is answered at once.
+    native_kernels(progress)
     gguf_file = gguf_source(spec) if own_blocks else None
     with tqdm(total=3, desc=f"loading {spec}", unit="step", disable=not progress, leave=False) as bar:
         config = AutoConfig.from_pretrained(folder)
@@ -137,6 +140,8 @@ def load(spec: str, dtype: str = "auto", auto_fetch: bool = False, progress: boo
         bar.update()
         if gguf_file is not None:
             weights = read_blocks(gguf_file, config.model_type, shape.num_heads, shape.num_kv_heads)
+            if (note := dequantised_note(gguf_file, weights)) is not None:
+                warnings.warn(note, RuntimeWarning, stacklevel=2)
         else:
             weights = {}
             for shard in sorted(folder.glob("*.safetensors")):

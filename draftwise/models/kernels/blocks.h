@@ -354,6 +354,48 @@ struct Blocks<Q4_K> {
 #endif
 };
 
+// Q5_K (Q5_K_M files' main format): Q4_K's d, dmin and 12 bytes of 6-bit scales and mins, then
+// 32 bytes of high bits, then Q4_K's 128 bytes of nibbles; the value of column l of sub-block j is
+// its nibble | bit j of qh[l] << 4, and w = d * scale_j * q - dmin * min_j. By the formula on
+// every instruction set (a 5-bit value has 32 possible weights a sub-block, two registers of table):
+// q4k_table's multiply-add with the value in place of the index, exact but for its one rounding,
+// as gguf-py's d * q - dm rounds it.
+template <>
+struct Blocks<Q5_K> {
+  static constexpr int64_t WEIGHTS = 256, BYTES = 176;
+  template <int R, typename Use>
+  static DRAFTWISE_ALWAYS_INLINE void decode(const uint8_t* const* block, Use use) {
+    alignas(64) float scaled[R][16];
+    q4k_scaled(block, scaled);
+    vi16 high[R][2];  // qh[0..15], qh[16..31]: bit j of each is the fifth bit of sub-block j
+    for (int r = 0; r < R; ++r) {
+      high[r][0] = widen(block[r] + 16);
+      high[r][1] = widen(block[r] + 32);
+    }
+#pragma GCC unroll 4
+    for (int pair = 0; pair < 4; ++pair) {
+      v16 w[R];
+      vi16 first[R], second[R];
+      for (int r = 0; r < R; ++r) {
+        first[r] = widen(block[r] + 48 + 32 * pair);
+        second[r] = widen(block[r] + 64 + 32 * pair);
+      }
+      const int j = 2 * pair;
+      const auto weights = [&](int r, int sub, vi16 nibbles, vi16 bits) DRAFTWISE_INLINE_LAMBDA {
+        return fmsub(to_float(nibbles | ((bits >> sub) & 1) << 4), scaled[r][sub], scaled[r][8 + sub]);
+      };
+      for (int r = 0; r < R; ++r) w[r] = weights(r, j, first[r] & 15, high[r][0]);
+      use(4 * pair, w);
+      for (int r = 0; r < R; ++r) w[r] = weights(r, j, second[r] & 15, high[r][1]);
+      use(4 * pair + 1, w);
+      for (int r = 0; r < R; ++r) w[r] = weights(r, j + 1, first[r] >> 4, high[r][0]);
+      use(4 * pair + 2, w);
+      for (int r = 0; r < R; ++r) w[r] = weights(r, j + 1, second[r] >> 4, high[r][1]);
+      use(4 * pair + 3, w);
+    }
+  }
+};
+
 // Q6_K: 128 bytes of low nibbles, 64 bytes of 2-bit highs, 16 int8 scales, d (float16);
 // w = d * scale_g * (q - 32) for the 16 columns of group g. In each half of 128 columns, value
 // l + 32 s (s = 0..3) = nibble (s / 2) of ql[l + 32 (s % 2)] | bits (2 s) of qh[l] << 4.
@@ -445,6 +487,7 @@ inline void with_blocks(int64_t format, Body body) {
     case Q5_1: return body(Blocks<Q5_1>{});
     case Q8_0: return body(Blocks<Q8_0>{});
     case Q4_K: return body(Blocks<Q4_K>{});
+    case Q5_K: return body(Blocks<Q5_K>{});
     case Q6_K: return body(Blocks<Q6_K>{});
   }
   TORCH_CHECK(false, "draftwise kernels: weight format ", format, " is not a block format");
@@ -452,7 +495,7 @@ inline void with_blocks(int64_t format, Body body) {
 
 inline bool is_block_format(int64_t format) {
   return format == Q4_0 || format == Q4_1 || format == Q5_0 || format == Q5_1 || format == Q8_0 ||
-         format == Q4_K || format == Q6_K;
+         format == Q4_K || format == Q5_K || format == Q6_K;
 }
 
 // One row of K weights from its format into out (float32), 16 at a time: blocks.h's values.

@@ -935,8 +935,8 @@ void fused_product(const Activations& a, int64_t format, const uint8_t* w, int64
 }  // namespace
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, int64_t format, int64_t K) {
-  TORCH_CHECK(is_block_format(format), "int8_linear: weight format ", format,
-              " has no int8 path (float formats run blocked_linear)");
+  TORCH_CHECK(is_block_format(format) && format != Q5_K, "int8_linear: weight format ", format,
+              " has no int8 path (float formats and Q5_K run blocked_linear)");
   check_weight(weight, format, K);
   const int64_t block = layout(format).weights;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == at::kFloat && x.is_contiguous(),

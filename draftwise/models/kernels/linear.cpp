@@ -434,7 +434,7 @@ constexpr int64_t BLOCK_TILE_M = 96, BLOCK_TILE_N = 32, BLOCK_TILE_K = 2048;
 // 35.4 / 42.6 / 54.8 ms against 33.7 / 41.5 / 57.1; a Zen 3 not yet measured).
 inline int64_t block_tile_min_rows(int64_t format) {
   if (kVectorRegisters == 32) return 12;
-  if (format == Q4_K || format == Q6_K) return 5;
+  if (format == Q4_K || format == Q5_K || format == Q6_K) return 5;
 #if defined(DRAFTWISE_V16_PAIR)
   return 13;
 #else

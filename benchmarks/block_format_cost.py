@@ -1,0 +1,72 @@
+"""One matrix's product in Q4_K, Q5_K and float32 weights, ms (the minimum of --rounds products)
+for 1 / 4 / 9 / 16 / 64 rows of x, per activation setting: what a Q5_K_M file's matrices cost
+against its Q4_K_M sibling's and against the float32 copy they were dequantised into before Q5_K
+ran as blocks. The matrix is one of Qwen2.5-Coder-1.5B's Q4_K tensors, its values re-quantised to
+Q5_K (tests/q5k.py), so all three hold nearly the same weights.
+
+    python benchmarks/block_format_cost.py --tensor blk.0.ffn_gate.weight --activations float32,amx
+
+DRAFTWISE_MARCH=x86-64-v3 times the AVX2 build on an AVX-512 CPU."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import quants
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from draftwise.models import loading, registry  # noqa: E402
+from draftwise.models.gguf_index import read_index  # noqa: E402
+from draftwise.models.kernels import describe_machine, machine, native_kernels  # noqa: E402
+from draftwise.models.linear import INT8_FORMATS, BlockWeight, WeightFormat  # noqa: E402
+from tests.q5k import quantize_q5_k  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tensor", default="blk.0.ffn_gate.weight", help="a Q4_K tensor of Qwen2.5-Coder-1.5B's file")
+    parser.add_argument("--activations", default="float32", help="comma-separated: float32, int8, bf16, amx")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=30)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    native_kernels()
+    loading.resolve("qwen2.5-coder-1.5b", auto_fetch=True, weights=False)
+    path = registry.gguf_path("qwen2.5-coder-1.5b")
+    entry = next((e for e in read_index(path) if e.name == args.tensor), None)
+    if entry is None or entry.format != WeightFormat.Q4_K or len(entry.shape) != 2:
+        sys.exit(f"{args.tensor} is not a Q4_K matrix of {path.name}")
+    rows, columns = int(entry.shape[1]), int(entry.shape[0])
+    data = np.array(np.memmap(path, dtype=np.uint8, mode="r")[entry.offset:entry.offset + entry.num_bytes]).reshape(rows, -1)
+    values = quants.dequantize(data, WeightFormat.Q4_K).reshape(rows, columns)
+    weights = {"Q4_K": BlockWeight(torch.from_numpy(data), WeightFormat.Q4_K, columns),
+               "Q5_K": BlockWeight(torch.from_numpy(quantize_q5_k(values)), WeightFormat.Q5_K, columns),
+               "float32": BlockWeight.from_float(torch.from_numpy(values), WeightFormat.F32)}
+    print(f"{args.tensor}: {rows} x {columns}, {args.threads} threads, on {describe_machine(machine())}")
+    for activations in args.activations.split(","):
+        print(f"\n{activations} activations (formats without an int8 path keep float32 under int8)\n")
+        print("| rows of x | " + " | ".join(weights) + " |")
+        print("|---|" + "---|" * len(weights))
+        for num_rows in (1, 4, 9, 16, 64):
+            x = torch.randn(num_rows, columns)
+            cells = []
+            for name, weight in weights.items():
+                int8_less = activations == "int8" and weight.format not in INT8_FORMATS
+                weight.activations = "float32" if int8_less else activations
+                best = float("inf")
+                for _ in range(args.rounds):
+                    tic = time.perf_counter()
+                    weight.matmul(x)
+                    best = min(best, time.perf_counter() - tic)
+                cells.append(f"{best * 1000:.3f}")
+            print(f"| {num_rows} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""A GGUF file with Q5_K matrices (the main format of Q5_K_M files) runs its blocks as shipped.
+
+None of the packaged models holds Q5_K, so the file here is SmolLM2-135M's own with its 30 down
+projections (1536 columns, whole 256-weight blocks; its other matrices have 576 columns, which
+llama.cpp too keeps out of K-quants) re-quantised from their Q4_1 values to Q5_K and everything
+else copied: real weights, read as a user's Q5_K_M file would be."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import quants
+
+from draftwise.config import SamplingParams
+from draftwise.drafters import NgramDrafter
+from draftwise.engine import Engine
+from draftwise.models import loading, registry
+from draftwise.models.gguf_weights import dequantised_note, read_blocks
+from draftwise.models.linear import WeightFormat, default_activations
+from tests.conftest import PROMPTS
+from tests.q5k import quantize_q5_k
+from tests.test_batch_invariance import one_token_logits
+from tests.test_model_parity import prompt_ids
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24)
+
+
+def write_with_q5k_down_projections(source: Path, path: Path) -> None:
+    """source's metadata and tensors into path, each ffn_down matrix re-quantised to Q5_K (gguf-py's
+    reader and writer, as its gguf_new_metadata script copies a file)."""
+    import gguf
+
+    reader = gguf.GGUFReader(source)
+    writer = gguf.GGUFWriter(path, arch=reader.get_field(gguf.Keys.General.ARCHITECTURE).contents())
+    for field in reader.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue  # written by the writer itself
+        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub_type)
+    tensors = []
+    for tensor in reader.tensors:
+        data, format = np.asarray(tensor.data), tensor.tensor_type
+        if tensor.name.endswith("ffn_down.weight"):
+            data, format = quantize_q5_k(quants.dequantize(data, format)), WeightFormat.Q5_K
+        tensors.append(data)
+        writer.add_tensor_info(tensor.name, data.shape, data.dtype, data.nbytes, format)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for data in tensors:
+        writer.write_tensor_data(data)
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def q5k_file(tmp_path_factory) -> Path:
+    loading.resolve("smollm2-135m", auto_fetch=True, progress=False)
+    path = tmp_path_factory.mktemp("q5k") / "smollm2-135m-q5k.gguf"
+    write_with_q5k_down_projections(registry.gguf_path("smollm2-135m"), path)
+    return path
+
+
+def test_a_q5k_file_runs_its_blocks_with_the_same_bits_as_its_dequantised_weights(q5k_file):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no "dequantised to float32" warning
+        blocks = loading.load(str(q5k_file), activations="float32", kv_cache="float32", progress=False)
+    layers = blocks.model.model.layers
+    assert {layer.mlp.down_proj.weight.format for layer in layers} == {WeightFormat.Q5_K}
+    # --dtype float32: transformers dequantises the file with gguf-py; the kernels' decode and
+    # dequantised paths compute the same bits (a prefill, a 3-token verify, a one-token step).
+    dense = loading.load(str(q5k_file), dtype="float32", progress=False)
+    assert dense.model.model.layers[0].mlp.down_proj.weight.format == WeightFormat.F32
+    for prompt in PROMPTS[:6]:
+        ids = prompt_ids(blocks.tokenizer, prompt)
+        logits = []
+        for loaded in (blocks, dense):
+            model, n = loaded.model, ids.shape[0]
+            cache = model.new_cache(n)
+            logits.append(torch.cat([model.forward(ids[:n - 4], torch.arange(n - 4), cache),
+                                     model.forward(ids[n - 4:n - 1], torch.arange(n - 4, n - 1), cache),
+                                     model.forward(ids[n - 1:], torch.arange(n - 1, n), cache)]))
+        assert torch.equal(*logits), f"prompt {prompt!r}"
+
+
+# Q5_K has no int8 path: under --activations int8 its matrices keep float32 activations beside the
+# other matrices' int8. And the CPU's default where it rounds (amx on an AMX Xeon, bf16 with AVX-512
+# BF16): both round the decoded floats of any block format, Q5_K's too.
+ACTIVATIONS = list(dict.fromkeys(["float32", "int8", default_activations(own_blocks=True)]))
+
+
+@pytest.mark.parametrize("activations", ACTIVATIONS)
+def test_a_q5k_models_rows_do_not_depend_on_the_rows_beside_them_and_speculation_equals_plain(q5k_file, activations):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # bf16 without AVX-512 BF16 says it is slower
+        target = loading.load(str(q5k_file), activations=activations, progress=False)
+    down = target.model.model.layers[0].mlp.down_proj.weight
+    assert down.activations == ("float32" if activations == "int8" else activations)
+    model = target.model
+    tokens = torch.randint(model.info.vocab_size, (20,), generator=torch.Generator().manual_seed(3))
+    alone = one_token_logits(model, tokens)
+    assert torch.equal(model.forward(tokens, torch.arange(20), model.new_cache(20)), alone)
+    cache = model.new_cache(24)
+    model.forward(tokens[:8], torch.arange(8), cache)
+    assert torch.equal(model.forward(tokens[8:], torch.arange(8, 20), cache), alone[8:])
+    prompts = PROMPTS[:4]
+    plain = [Engine(target).generate(prompt, GREEDY).token_ids for prompt in prompts]
+    results = [Engine(target, NgramDrafter(), 8).generate(prompt, GREEDY) for prompt in prompts]
+    assert [result.token_ids for result in results] == plain
+    assert sum(result.metrics.num_accepted_tokens for result in results) > 0
+
+
+def test_formats_the_kernels_do_not_run_as_blocks_are_named_with_their_cost_and_the_fix(q5k_file):
+    tensors = read_blocks(q5k_file, "llama", 9, 3)
+    assert dequantised_note(q5k_file, tensors) is None  # Q5_K, Q4_1, Q8_0: all run as shipped
+    name = "model.layers.0.mlp.down_proj.weight"
+    data, _, columns = tensors[name]
+    tensors[name] = (data, WeightFormat.Q3_K, columns)  # as a Q3_K_M file's would read
+    note = dequantised_note(q5k_file, tensors)
+    assert note is not None and "1 of its 211 weight matrices are Q3_K" in note
+    assert f"{576 * 1536 * 4 / 2**20:,.0f} MB in memory" in note and "Q5_K_M" in note
