@@ -23,7 +23,7 @@ from draftwise.models.gguf_weights import dequantised_note, read_blocks
 from draftwise.models.linear import WeightFormat, default_activations
 from tests.conftest import PROMPTS
 from tests.q5k import quantize_q5_k
-from tests.test_batch_invariance import one_token_logits
+from tests.test_batch_invariance import one_token_logits, stepped_logits
 from tests.test_model_parity import prompt_ids
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24)
@@ -76,14 +76,7 @@ def test_a_q5k_file_runs_its_blocks_with_the_same_bits_as_its_dequantised_weight
     assert dense.model.model.layers[0].mlp.down_proj.weight.format == WeightFormat.F32
     for prompt in PROMPTS[:6]:
         ids = prompt_ids(blocks.tokenizer, prompt)
-        logits = []
-        for loaded in (blocks, dense):
-            model, n = loaded.model, ids.shape[0]
-            cache = model.new_cache(n)
-            logits.append(torch.cat([model.forward(ids[:n - 4], torch.arange(n - 4), cache),
-                                     model.forward(ids[n - 4:n - 1], torch.arange(n - 4, n - 1), cache),
-                                     model.forward(ids[n - 1:], torch.arange(n - 1, n), cache)]))
-        assert torch.equal(*logits), f"prompt {prompt!r}"
+        assert torch.equal(stepped_logits(blocks.model, ids), stepped_logits(dense.model, ids)), f"prompt {prompt!r}"
 
 
 # Q5_K has no int8 path: under --activations int8 its matrices keep float32 activations beside the
