@@ -142,8 +142,8 @@ def test_blocks_and_their_dequantised_float32_give_the_same_product(kernels, for
 
 
 INT8_CASES = [(WeightFormat.Q4_1, real_blocks), (WeightFormat.Q8_0, real_blocks), (WeightFormat.Q5_0, real_blocks),
-              (WeightFormat.Q4_K, real_blocks), (WeightFormat.Q6_K, real_blocks), (WeightFormat.Q4_0, synthetic_blocks),
-              (WeightFormat.Q5_1, synthetic_blocks)]
+              (WeightFormat.Q4_K, real_blocks), (WeightFormat.Q6_K, real_blocks), (WeightFormat.Q5_K, requantized_blocks),
+              (WeightFormat.Q4_0, synthetic_blocks), (WeightFormat.Q5_1, synthetic_blocks)]
 
 
 def rounded_to_int8(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -163,7 +163,7 @@ def test_int8_activations_compute_the_blocks_times_the_rounded_input(kernels, fo
     dense = weight.rows(torch.arange(weight.num_rows)).double()
     torch.manual_seed(int(format))
     x = torch.randn(40, num_columns) * 3
-    block = 256 if format in (WeightFormat.Q4_K, WeightFormat.Q6_K) else 32
+    block = 256 if format in (WeightFormat.Q4_K, WeightFormat.Q5_K, WeightFormat.Q6_K) else 32
     reference = rounded_to_int8(x, block).double() @ dense.T
     unrounded = x.double() @ dense.T
     for rows in (1, 9, 40):  # the decode kernel (weights unpacked in registers) and the prefill one
@@ -174,10 +174,11 @@ def test_int8_activations_compute_the_blocks_times_the_rounded_input(kernels, fo
         assert (got - unrounded[:rows]).abs().max() < 0.05 * unrounded.abs().max()
 
 
-@pytest.mark.parametrize("format", [WeightFormat.Q4_K, WeightFormat.Q6_K, WeightFormat.Q4_1, WeightFormat.Q8_0])
+@pytest.mark.parametrize("format", [WeightFormat.Q4_K, WeightFormat.Q5_K, WeightFormat.Q6_K, WeightFormat.Q4_1,
+                                    WeightFormat.Q8_0])
 def test_int8_rows_are_bit_identical_whatever_rows_are_beside_them(kernels, format):
     # 47 weight rows: the unpacked path's last item of 16 rows ends on a lone weight row
-    data, num_columns = real_blocks(format, num_rows=47)
+    data, num_columns = dict(CASES)[format](format, 47)
     weight = BlockWeight(data, format, num_columns)
     weight.activations = "int8"
     torch.manual_seed(1)

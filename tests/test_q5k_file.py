@@ -79,9 +79,9 @@ def test_a_q5k_file_runs_its_blocks_with_the_same_bits_as_its_dequantised_weight
         assert torch.equal(stepped_logits(blocks.model, ids), stepped_logits(dense.model, ids)), f"prompt {prompt!r}"
 
 
-# Q5_K has no int8 path: under --activations int8 its matrices keep float32 activations beside the
-# other matrices' int8. And the CPU's default where it rounds (amx on an AMX Xeon, bf16 with AVX-512
-# BF16): both round the decoded floats of any block format, Q5_K's too.
+# int8 (Q5_K's integer dot products beside the other formats'), and the CPU's default where it
+# rounds (amx on an AMX Xeon, bf16 with AVX-512 BF16): both round the decoded floats of any block
+# format, Q5_K's too.
 ACTIVATIONS = list(dict.fromkeys(["float32", "int8", default_activations(own_blocks=True)]))
 
 
@@ -91,7 +91,7 @@ def test_a_q5k_models_rows_do_not_depend_on_the_rows_beside_them_and_speculation
         warnings.simplefilter("ignore", RuntimeWarning)  # bf16 without AVX-512 BF16 says it is slower
         target = loading.load(str(q5k_file), activations=activations, progress=False)
     down = target.model.model.layers[0].mlp.down_proj.weight
-    assert down.activations == ("float32" if activations == "int8" else activations)
+    assert down.activations == activations
     model = target.model
     tokens = torch.randint(model.info.vocab_size, (20,), generator=torch.Generator().manual_seed(3))
     alone = one_token_logits(model, tokens)

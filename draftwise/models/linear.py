@@ -11,7 +11,7 @@ result never depends on the rows beside it (batch invariance, kernels/vec.h).
 float16 scale, plus a float16 minimum for Q4_1): the same kernel, the same invariance.
 
 `--activations int8` rounds each row of a linear's input to 8 bits per 32 columns (per 256
-for Q4_K / Q6_K; one float scale each) and multiplies it against the blocks with exact integer
+for Q4_K / Q5_K / Q6_K; one float scale each) and multiplies it against the blocks with exact integer
 dot products (kernels/int8_linear.cpp): about 1.8x faster for a decode step on a Q4_K_M file,
 still batch-invariant, and as close to float32 activations as llama.cpp is (README, "int8
 activations": on Qwen2.5-1.5B mean KL 0.08 nats, top-1 0.960; on SmolLM2 KL 0.0045, top-1
@@ -65,7 +65,7 @@ PRODUCTS = {"float32": "blocked_linear", "int8": "int8_linear", "bf16": "bf16_li
 ACTIVATION_CODES = {"float32": 0, "int8": 1, "bf16": 2, "amx": 3}
 # Block formats with an int8-activation path; the others keep float32 activations.
 INT8_FORMATS = frozenset({WeightFormat.Q4_0, WeightFormat.Q4_1, WeightFormat.Q5_0, WeightFormat.Q5_1,
-                          WeightFormat.Q8_0, WeightFormat.Q4_K, WeightFormat.Q6_K})
+                          WeightFormat.Q8_0, WeightFormat.Q4_K, WeightFormat.Q5_K, WeightFormat.Q6_K})
 
 
 class BlockWeight(nn.Module):

@@ -20,14 +20,15 @@
 //                       + sum over 16-column groups of w.coef * x.sum,
 // where P (16 int32 lanes, 4 byte products each) is exact.
 //
-// 256-weight super-blocks (Q4_K, Q6_K: a Q4_K_M file's weights). Each super-block has one float
-// scale d and small integer scales per 32 (Q4_K) or 16 (Q6_K) columns, so with activations
+// 256-weight super-blocks (Q4_K, Q6_K: a Q4_K_M file's weights; Q5_K: a Q5_K_M file's, Q4_K's
+// layout with a fifth bit per value). Each super-block has one float
+// scale d and small integer scales per 32 (Q4_K, Q5_K) or 16 (Q6_K) columns, so with activations
 // rounded per 256 columns (one scale dx) a super-block's whole dot product is one exact integer
 // I = sum of sub-scale * (u . q), computed 64 columns at a time by a byte multiply into int16
 // pairs and an int16 multiply-add by the sub-scales into int32 lanes. Then, per super-block b,
 // in a 16-lane float accumulator,
 //   acc += float(I_b) * (d_b * dx_b);  acc += w.coef_b * x.sum_b   (16 columns a lane: Q4_K's
-//                                                                    mins, Q6_K's -32)
+//                                                                    and Q5_K's mins, Q6_K's -32)
 // and dot(w, round8(x)) = the horizontal sum of acc. Two float multiply-adds per 256 columns;
 // what is left per row of x is two integer multiplies per 64 weights.
 //
@@ -57,7 +58,8 @@ constexpr int64_t FUSED_MAX_ROWS = 16;  // at most this many rows of x: weights 
 constexpr int FUSED_ROWS_OF_X_BLOCK32 = kVectorRegisters == 32 ? 8 : 4;
 constexpr int64_t SUPER = 256;  // columns of a K-quant super-block
 
-inline bool is_kquant(int64_t format) { return format == Q4_K || format == Q6_K; }
+inline bool is_kquant(int64_t format) { return format == Q4_K || format == Q5_K || format == Q6_K; }
+inline constexpr int64_t kquant_bytes(int64_t format) { return format == Q4_K ? 144 : format == Q5_K ? 176 : 210; }
 
 inline int64_t padded(int64_t K) { return (K + CHUNK - 1) / CHUNK * CHUNK; }
 
@@ -282,14 +284,19 @@ inline void block32_micro(Block32Rows x, Block32Rows w, float* y, int64_t Kp, in
 void unpack_kquant_row(int64_t format, const uint8_t* row, int64_t K, uint8_t* u, int16_t* sub, float* d,
                        float* coef) {
   for (int64_t b = 0; b < K / SUPER; ++b, u += SUPER, sub += SUPER / 2, coef += SUPER / 16) {
-    if (format == Q4_K) {
+    if (format == Q4_K || format == Q5_K) {
       const float dmin = half_to_float(row + 2);
       d[b] = half_to_float(row);
       const uint8_t* sc = row + 4;  // 8 six-bit scales and 8 six-bit mins
-      const uint8_t* qs = row + 16;
+      const uint8_t* qs = row + (format == Q4_K ? 16 : 48);
       for (int pair = 0; pair < 4; ++pair) {  // 32 bytes: sub-block 2p in low nibbles, 2p+1 in high
         nibbles(qs + 32 * pair, u + 64 * pair, u + 64 * pair + 32);
         nibbles(qs + 32 * pair + 16, u + 64 * pair + 16, u + 64 * pair + 48);
+      }
+      if (format == Q5_K) {  // bit j of qh[l]: the fifth bit of value l of sub-block j
+        const uint8_t* qh = row + 16;
+        for (int j = 0; j < 8; ++j)
+          for (int l = 0; l < 32; ++l) u[32 * j + l] |= ((qh[l] >> j) & 1) << 4;
       }
       uint8_t scales[16];
       q4k_scales(sc, scales);
@@ -297,7 +304,7 @@ void unpack_kquant_row(int64_t format, const uint8_t* row, int64_t K, uint8_t* u
         fill<int16_t>(sub + 16 * j, 16, int16_t(scales[j]));
         fill(coef + 2 * j, 2, -dmin * float(scales[8 + j]));
       }
-      row += 144;
+      row += kquant_bytes(format);
     } else {  // Q6_K
       const int8_t* sc = reinterpret_cast<const int8_t*>(row + 192);
       d[b] = half_to_float(row + 208);
@@ -482,8 +489,8 @@ inline __m512i pick_words(int lane0, int lane1, int lane2, int lane3) {
 // for bit (and the tests check it).
 template <int64_t FORMAT, int NUM_X>
 inline void kquant_decode(RoundedRows x, const float* x_d, const uint8_t* row, float* y, int64_t K, int64_t N) {
-  const int64_t blocks = K / SUPER, block_bytes = FORMAT == Q4_K ? 144 : 210;
-  const __m512i low_nibble = _mm512_set1_epi8(15), two_bits = _mm512_set1_epi8(3);
+  const int64_t blocks = K / SUPER, block_bytes = kquant_bytes(FORMAT);
+  const __m512i low_nibble = _mm512_set1_epi8(15), two_bits = _mm512_set1_epi8(3), one_bit = _mm512_set1_epi8(1);
   // Per-lane shift counts: the chunk's lower 32 bytes take one nibble / bit pair, the upper the next.
   const __m512i q4_shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
   // Q4_K chunk c: lanes 0-1 hold sub-block 2c, lanes 2-3 sub-block 2c + 1. Q6_K chunk c: lane l
@@ -497,7 +504,7 @@ inline void kquant_decode(RoundedRows x, const float* x_d, const uint8_t* row, f
     __m512i table[2];  // int16 sub-scales, 8 to a 128-bit lane, broadcast to every lane
     float d;
     v16 coef;
-    if constexpr (FORMAT == Q4_K) {
+    if constexpr (FORMAT == Q4_K || FORMAT == Q5_K) {
       d = half_to_float(block);
       const __m128i packed = q4k_scales_register(block + 4);
       table[0] = table[1] = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(packed));
@@ -519,9 +526,15 @@ inline void kquant_decode(RoundedRows x, const float* x_d, const uint8_t* row, f
 #pragma GCC unroll 4
     for (int chunk = 0; chunk < 4; ++chunk) {
       __m512i u, sub;
-      if constexpr (FORMAT == Q4_K) {  // 32 bytes: sub-block 2c in the low nibbles, 2c + 1 in the high ones
-        const __m512i bytes = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16 + 32 * chunk)));
+      if constexpr (FORMAT == Q4_K || FORMAT == Q5_K) {  // 32 bytes: sub-block 2c in the low nibbles, 2c + 1 in the high ones
+        const uint8_t* qs = block + (FORMAT == Q4_K ? 16 : 48) + 32 * chunk;
+        const __m512i bytes = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs)));
         u = _mm512_and_si512(_mm512_srlv_epi16(bytes, q4_shift), low_nibble);
+        if constexpr (FORMAT == Q5_K) {  // bit 2c of qh (lower 32 bytes), 2c + 1 (upper) as each value's fifth
+          const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16)));
+          const __m512i shift = _mm512_inserti64x4(_mm512_set1_epi16(2 * chunk), _mm256_set1_epi16(2 * chunk + 1), 1);
+          u = _mm512_or_si512(u, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shift), one_bit), 4));
+        }
         sub = _mm512_shuffle_epi8(table[0], q4_pick[chunk]);
       } else {  // Q6_K, chunk c: half c / 2, nibble c % 2 of its 64 ql bytes, bit pairs 2 (c % 2) * 2 + {0, 1}
         const int half = chunk / 2, odd = chunk % 2;
@@ -572,8 +585,8 @@ inline __m256i pick_words(int first, int second) {
 // weight, written and read back): int8 activations were no faster than float32 there.
 template <int64_t FORMAT, int NUM_X>
 inline void kquant_decode(RoundedRows x, const float* x_d, const uint8_t* row, float* y, int64_t K, int64_t N) {
-  const int64_t blocks = K / SUPER, block_bytes = FORMAT == Q4_K ? 144 : 210;
-  const __m256i low_nibble = _mm256_set1_epi8(15), two_bits = _mm256_set1_epi8(3);
+  const int64_t blocks = K / SUPER, block_bytes = kquant_bytes(FORMAT);
+  const __m256i low_nibble = _mm256_set1_epi8(15), two_bits = _mm256_set1_epi8(3), one_bit = _mm256_set1_epi8(1);
   const auto load = [](const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); };
   // Register h of a super-block (columns 32 h .. 32 h + 31) takes Q4_K's sub-scale h in both
   // lanes, Q6_K's 2 h and 2 h + 1 (words 2 h % 8 and 2 h % 8 + 1 of the first or second 8).
@@ -586,7 +599,7 @@ inline void kquant_decode(RoundedRows x, const float* x_d, const uint8_t* row, f
     __m256i sub[8];  // the int16 sub-scales of columns 32 h .. 32 h + 31
     float d;
     v16 coef;
-    if constexpr (FORMAT == Q4_K) {
+    if constexpr (FORMAT == Q4_K || FORMAT == Q5_K) {
       d = half_to_float(block);
       const __m128i packed = q4k_scales_register(block + 4);  // 8 scales, then 8 mins
       const __m256i table = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(packed));
@@ -609,10 +622,15 @@ inline void kquant_decode(RoundedRows x, const float* x_d, const uint8_t* row, f
 #pragma GCC unroll 4
     for (int chunk = 0; chunk < 4; ++chunk) {
       __m256i u[2];  // the chunk's columns 0-31 and 32-63
-      if constexpr (FORMAT == Q4_K) {
-        const __m256i bytes = load(block + 16 + 32 * chunk);
+      if constexpr (FORMAT == Q4_K || FORMAT == Q5_K) {
+        const __m256i bytes = load(block + (FORMAT == Q4_K ? 16 : 48) + 32 * chunk);
         u[0] = _mm256_and_si256(bytes, low_nibble);
         u[1] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low_nibble);
+        if constexpr (FORMAT == Q5_K) {  // bits 2c and 2c + 1 of qh: the two sub-blocks' fifth bits
+          const __m256i qh = load(block + 16);
+          for (int s = 0; s < 2; ++s)
+            u[s] = _mm256_or_si256(u[s], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * chunk + s), one_bit), 4));
+        }
       } else {  // Q6_K: half chunk / 2, nibble chunk % 2 of ql, bit pairs 4 (chunk % 2) + {0, 2} of qh
         const int half = chunk / 2, odd = chunk % 2;
         const __m256i qh = load(block + 128 + 32 * half);
@@ -903,6 +921,8 @@ void fused_rows(int64_t rows, RoundedRows x, const float* x_d, int64_t format, c
 #if defined(__AVX512BW__) || defined(DRAFTWISE_V16_PAIR)
   if (format == Q4_K) {
     kquant_decode<Q4_K, NUM_X>(x, x_d, w, y, K, N);
+  } else if (format == Q5_K) {
+    kquant_decode<Q5_K, NUM_X>(x, x_d, w, y, K, N);
   } else {
     kquant_decode<Q6_K, NUM_X>(x, x_d, w, y, K, N);
   }
@@ -935,8 +955,8 @@ void fused_product(const Activations& a, int64_t format, const uint8_t* w, int64
 }  // namespace
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, int64_t format, int64_t K) {
-  TORCH_CHECK(is_block_format(format) && format != Q5_K, "int8_linear: weight format ", format,
-              " has no int8 path (float formats and Q5_K run blocked_linear)");
+  TORCH_CHECK(is_block_format(format), "int8_linear: weight format ", format,
+              " has no int8 path (float formats run blocked_linear)");
   check_weight(weight, format, K);
   const int64_t block = layout(format).weights;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == at::kFloat && x.is_contiguous(),
