@@ -61,7 +61,11 @@ def q5k_file(tmp_path_factory) -> Path:
     loading.resolve("smollm2-135m", auto_fetch=True, progress=False)
     path = tmp_path_factory.mktemp("q5k") / "smollm2-135m-q5k.gguf"
     write_with_q5k_down_projections(registry.gguf_path("smollm2-135m"), path)
-    return path
+    # Its config, tokenizer and --dtype float32 weights (517 MB) beside it, not in the user's
+    # cache, where every run's new file would leave another copy.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loading, "_converted_folder_for", lambda gguf_file: gguf_file.parent / "converted")
+        yield path
 
 
 def test_a_q5k_file_runs_its_blocks_with_the_same_bits_as_its_dequantised_weights(q5k_file):
