@@ -59,7 +59,8 @@ constexpr int FUSED_ROWS_OF_X_BLOCK32 = kVectorRegisters == 32 ? 8 : 4;
 constexpr int64_t SUPER = 256;  // columns of a K-quant super-block
 
 inline bool is_kquant(int64_t format) { return format == Q4_K || format == Q5_K || format == Q6_K; }
-inline constexpr int64_t kquant_bytes(int64_t format) { return format == Q4_K ? 144 : format == Q5_K ? 176 : 210; }
+// Where Q4_K's and Q5_K's 128 bytes of nibbles start (Q5_K's 32 bytes of fifth bits come first, at 16).
+inline constexpr int64_t nibbles_at(int64_t format) { return format == Q5_K ? 48 : 16; }
 
 inline int64_t padded(int64_t K) { return (K + CHUNK - 1) / CHUNK * CHUNK; }
 
@@ -283,12 +284,13 @@ inline void block32_micro(Block32Rows x, Block32Rows w, float* y, int64_t Kp, in
 // of the product), d [K/256], coef [K/16] (see the top of the file).
 void unpack_kquant_row(int64_t format, const uint8_t* row, int64_t K, uint8_t* u, int16_t* sub, float* d,
                        float* coef) {
+  const int64_t block_bytes = layout(format).bytes;
   for (int64_t b = 0; b < K / SUPER; ++b, u += SUPER, sub += SUPER / 2, coef += SUPER / 16) {
     if (format == Q4_K || format == Q5_K) {
       const float dmin = half_to_float(row + 2);
       d[b] = half_to_float(row);
       const uint8_t* sc = row + 4;  // 8 six-bit scales and 8 six-bit mins
-      const uint8_t* qs = row + (format == Q4_K ? 16 : 48);
+      const uint8_t* qs = row + nibbles_at(format);
       for (int pair = 0; pair < 4; ++pair) {  // 32 bytes: sub-block 2p in low nibbles, 2p+1 in high
         nibbles(qs + 32 * pair, u + 64 * pair, u + 64 * pair + 32);
         nibbles(qs + 32 * pair + 16, u + 64 * pair + 16, u + 64 * pair + 48);
@@ -304,7 +306,7 @@ void unpack_kquant_row(int64_t format, const uint8_t* row, int64_t K, uint8_t* u
         fill<int16_t>(sub + 16 * j, 16, int16_t(scales[j]));
         fill(coef + 2 * j, 2, -dmin * float(scales[8 + j]));
       }
-      row += kquant_bytes(format);
+      row += block_bytes;
     } else {  // Q6_K
       const int8_t* sc = reinterpret_cast<const int8_t*>(row + 192);
       d[b] = half_to_float(row + 208);
@@ -314,7 +316,7 @@ void unpack_kquant_row(int64_t format, const uint8_t* row, int64_t K, uint8_t* u
         fill<int16_t>(sub + 8 * g, 8, int16_t(sc[g]));
         coef[g] = -32.0f * d[b] * float(sc[g]);
       }
-      row += 210;
+      row += block_bytes;
     }
   }
 }
@@ -489,7 +491,7 @@ inline __m512i pick_words(int lane0, int lane1, int lane2, int lane3) {
 // for bit (and the tests check it).
 template <int64_t FORMAT, int NUM_X>
 inline void kquant_decode(RoundedRows x, const float* x_d, const uint8_t* row, float* y, int64_t K, int64_t N) {
-  const int64_t blocks = K / SUPER, block_bytes = kquant_bytes(FORMAT);
+  const int64_t blocks = K / SUPER, block_bytes = layout(FORMAT).bytes;
   const __m512i low_nibble = _mm512_set1_epi8(15), two_bits = _mm512_set1_epi8(3), one_bit = _mm512_set1_epi8(1);
   // Per-lane shift counts: the chunk's lower 32 bytes take one nibble / bit pair, the upper the next.
   const __m512i q4_shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
@@ -527,7 +529,7 @@ inline void kquant_decode(RoundedRows x, const float* x_d, const uint8_t* row, f
     for (int chunk = 0; chunk < 4; ++chunk) {
       __m512i u, sub;
       if constexpr (FORMAT == Q4_K || FORMAT == Q5_K) {  // 32 bytes: sub-block 2c in the low nibbles, 2c + 1 in the high ones
-        const uint8_t* qs = block + (FORMAT == Q4_K ? 16 : 48) + 32 * chunk;
+        const uint8_t* qs = block + nibbles_at(FORMAT) + 32 * chunk;
         const __m512i bytes = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs)));
         u = _mm512_and_si512(_mm512_srlv_epi16(bytes, q4_shift), low_nibble);
         if constexpr (FORMAT == Q5_K) {  // bit 2c of qh (lower 32 bytes), 2c + 1 (upper) as each value's fifth
@@ -585,7 +587,7 @@ inline __m256i pick_words(int first, int second) {
 // weight, written and read back): int8 activations were no faster than float32 there.
 template <int64_t FORMAT, int NUM_X>
 inline void kquant_decode(RoundedRows x, const float* x_d, const uint8_t* row, float* y, int64_t K, int64_t N) {
-  const int64_t blocks = K / SUPER, block_bytes = kquant_bytes(FORMAT);
+  const int64_t blocks = K / SUPER, block_bytes = layout(FORMAT).bytes;
   const __m256i low_nibble = _mm256_set1_epi8(15), two_bits = _mm256_set1_epi8(3), one_bit = _mm256_set1_epi8(1);
   const auto load = [](const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); };
   // Register h of a super-block (columns 32 h .. 32 h + 31) takes Q4_K's sub-scale h in both
@@ -623,7 +625,7 @@ inline void kquant_decode(RoundedRows x, const float* x_d, const uint8_t* row, f
     for (int chunk = 0; chunk < 4; ++chunk) {
       __m256i u[2];  // the chunk's columns 0-31 and 32-63
       if constexpr (FORMAT == Q4_K || FORMAT == Q5_K) {
-        const __m256i bytes = load(block + (FORMAT == Q4_K ? 16 : 48) + 32 * chunk);
+        const __m256i bytes = load(block + nibbles_at(FORMAT) + 32 * chunk);
         u[0] = _mm256_and_si256(bytes, low_nibble);
         u[1] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low_nibble);
         if constexpr (FORMAT == Q5_K) {  // bits 2c and 2c + 1 of qh: the two sub-blocks' fifth bits
