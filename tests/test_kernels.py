@@ -512,6 +512,37 @@ def test_a_failed_build_names_the_compilers_error_and_its_fix_not_the_command(mo
     assert "-MMD" not in message
 
 
+@pytest.mark.parametrize("machine, flags, march, portable", [
+    ("x86_64", "flags\t: fpu sse4_2 avx avx2 fma avx512f", None, False),
+    ("x86_64", "flags\t: fpu sse4_2 avx2 fma", None, False),
+    ("x86_64", "flags\t: fpu sse4_2 popcnt", None, True),  # an x86 without AVX2
+    ("aarch64", "", None, True),
+    ("x86_64", "flags\t: fpu sse4_2 avx2 fma avx512f", "x86-64-v2", True),  # asked for below AVX2
+    ("x86_64", "flags\t: fpu sse4_2 avx2 fma avx512f", "x86-64-v3", False),
+])
+def test_the_first_builds_message_says_how_long_it_takes_on_this_cpu(monkeypatch, tmp_path, capsys, machine, flags,
+                                                                      march, portable):
+    """Without AVX2 the build is the portable vector code: ~5 minutes on 2 cores, not the usual ~2,
+    and slower products; the first build's message says so before the wait."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    monkeypatch.setattr(kernels_module.platform, "machine", lambda: machine)
+    monkeypatch.setattr(kernels_module, "_cpu_flags_line", lambda: flags)
+    if march is None:
+        monkeypatch.delenv(kernels_module.MARCH_ENV, raising=False)
+    else:
+        monkeypatch.setenv(kernels_module.MARCH_ENV, march)
+    monkeypatch.setattr(kernels_module, "_build_directory", lambda: tmp_path / "build")
+    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: "built")
+    assert kernels_module._build(progress=True) == "built"
+    message = capsys.readouterr().err
+    assert kernels_module.builds_portable_code() is portable
+    if portable:
+        assert "about 5 minutes" in message and "without AVX2" in message and "slower" in message
+    else:
+        assert "about 2 minutes" in message and "AVX2" not in message
+
+
 @pytest.mark.parametrize("compiler", [("gcc", "12.2.0"), ("gcc", "13.3.0"), ("clang", "14.0.6"), ("", "")])
 def test_no_compiler_fuses_products_and_sums_by_itself_and_each_compiler_has_its_own_build(monkeypatch, compiler):
     """GCC 13.3 contracted a Q4_0 product's decode and dequantised paths differently (an ulp
