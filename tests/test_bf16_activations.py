@@ -46,7 +46,9 @@ def test_bf16_activations_compute_the_rounded_products_in_the_dot_products_order
     x = torch.randn(40, num_columns) * 3
     reference = dot_pairs_reference(x, values)
     unrounded = x.double() @ values.double().T
-    for rows in (1, 5, 8, 9, 40):  # up to 8: weights decoded in registers; more: bfloat16 tiles
+    # weights decoded in registers up to 8 rows (two or four weight rows abreast; with AVX2 or the
+    # portable code one at a time beyond 2 rows), bfloat16 tiles beyond
+    for rows in (1, 2, 4, 5, 8, 9, 40):
         got = kernels.bf16_linear(x[:rows].contiguous(), data, int(format), num_columns)
         assert torch.equal(got, reference[:rows]), f"{rows} rows differ from the dot products' arithmetic"
         # bfloat16's 8 significant bits on both sides: well under 1% of the largest output here

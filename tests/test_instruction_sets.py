@@ -8,9 +8,9 @@ kernels with DRAFTWISE_MARCH (a build of its own, cached beside the native one: 
 2 cores the first time) and runs the kernels' bit-equality tests and the forward-invariance
 property on real SmolLM2 weights in every format through it. On a CPU without AVX-512 the AVX2
 paths are the native ones, and the generic paths (any other CPU) are the ones tested here: the
-kernels' own bit-equalities only. The generic build alone takes ~5 minutes on 2 cores (GCC splits
-every 64-byte vector into SSE pieces: bf16_linear.cpp 220-280 s, linear.cpp ~120 s, against 40
-and 21 s for the AVX2 build; AMX Xeon model 207, DRAFTWISE_MARCH=x86-64-v2), and the whole-forward
+kernels' own bit-equalities only. The generic build alone takes ~3 minutes on 2 cores (GCC splits
+every 64-byte vector into SSE pieces: linear.cpp 150-170 s, bf16_linear.cpp 138 s, against 21-39
+and 30-43 s for the AVX2 build; AMX Xeon model 207, DRAFTWISE_MARCH=x86-64-v2), and the whole-forward
 property over its slow products another ~100 s (7 formats; test_kernels.py itself 4 s), which an
 AVX2-only CI machine (AMD EPYC Zen 3, ~1.3x this Xeon's suite time) cannot spare inside 20 minutes.
 """

@@ -522,7 +522,7 @@ def test_a_failed_build_names_the_compilers_error_and_its_fix_not_the_command(mo
 ])
 def test_the_first_builds_message_says_how_long_it_takes_on_this_cpu(monkeypatch, tmp_path, capsys, machine, flags,
                                                                       march, portable):
-    """Without AVX2 the build is the portable vector code: ~5 minutes on 2 cores, not the usual ~2,
+    """Without AVX2 the build is the portable vector code: ~3 minutes on 2 cores, not the usual ~2,
     and slower products; the first build's message says so before the wait."""
     import torch.utils.cpp_extension as cpp_extension
 
@@ -538,7 +538,7 @@ def test_the_first_builds_message_says_how_long_it_takes_on_this_cpu(monkeypatch
     message = capsys.readouterr().err
     assert kernels_module.builds_portable_code() is portable
     if portable:
-        assert "about 5 minutes" in message and "without AVX2" in message and "slower" in message
+        assert "about 3 minutes" in message and "without AVX2" in message and "slower" in message
     else:
         assert "about 2 minutes" in message and "AVX2" not in message
 

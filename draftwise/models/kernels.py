@@ -100,13 +100,13 @@ def builds_portable_code() -> bool:
 
 
 def _build_notice() -> str:
-    """The first build's message: what it costs here. The portable code takes ~2.5x as long to
+    """The first build's message: what it costs here. The portable code takes ~2x as long to
     compile and its products run ~6x slower than the AVX2 code's (AMX Xeon model 207, 2 cores,
-    2026-11-28, DRAFTWISE_MARCH=x86-64-v2 against x86-64-v3: 4.7 against 1.4 minutes, GCC
-    splitting every 64-byte vector into SSE pieces; SmolLM2's 1536 x 576 gate at one row 0.7 ms
+    2026-11-28, DRAFTWISE_MARCH=x86-64-v2 against x86-64-v3: 2.5-2.9 against 1.1-1.4 minutes,
+    GCC splitting every 64-byte vector into SSE pieces; SmolLM2's 1536 x 576 gate at one row 0.7 ms
     against 0.08-0.13, its LM head 8.5-9.9 ms against 1.5)."""
     if builds_portable_code():
-        return ("draftwise: compiling its CPU kernels for this machine (once per checkout, about 5 minutes on 2 cores: "
+        return ("draftwise: compiling its CPU kernels for this machine (once per checkout, about 3 minutes on 2 cores: "
                 "without AVX2 they are the portable vector code, which also runs several times slower)...")
     return "draftwise: compiling its CPU kernels for this machine (once per checkout, about 2 minutes on 2 cores)..."
 

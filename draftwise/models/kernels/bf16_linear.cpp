@@ -36,7 +36,13 @@ namespace draftwise {
 namespace {
 
 constexpr int64_t COLUMNS = 32;  // bfloat16 values per step: one 512-bit register
-constexpr int ROWS_OF_W = 4, ROWS_OF_X = 6;  // 24 accumulators
+// Register blocks: 4 weight rows x 6 rows of x, 24 accumulators in AVX-512's 32 registers; 2 x 3
+// where a v16 takes two registers (AVX2) or four (SSE, NEON), as linear.cpp's: 24 there spilled to
+// the stack on every step, and compiling the spills made this file the portable build's longest
+// (x86-64-v2 on the AMX Xeon model 207: 220-280 s of GCC, 138 s with these blocks; the whole
+// build 4.7 -> 2.9 minutes). The AVX2 build's products measured the same either way (SmolLM2,
+// 4 / 8 / 16 rows, min of three alternating runs: 0.9-1.07x).
+constexpr int ROWS_OF_W = kVectorRegisters == 32 ? 4 : 2, ROWS_OF_X = kVectorRegisters == 32 ? 6 : 3;
 constexpr int64_t TILE_M = 96, TILE_N = 32, TILE_K = 2048;  // a 128 KB weight tile
 
 typedef uint16_t vb32 __attribute__((vector_size(64)));  // 32 bfloat16 values
@@ -180,17 +186,14 @@ inline void micro(const uint16_t* x, int64_t x_stride, const uint16_t* w, v16* p
     for (int j = 0; j < NUM_W; ++j) partial[i * cols + j] = acc[i][j];
 }
 
-template <int NUM_W>
+// micro for min(num_x, ROWS_OF_X) rows of x.
+template <int NUM_W, int NUM_X = ROWS_OF_X>
 inline void micro_rows(int64_t num_x, const uint16_t* x, int64_t x_stride, const uint16_t* w, v16* partial,
                        int64_t columns, int64_t cols, Ends ends) {
-  switch (num_x) {
-    case 1: micro<1, NUM_W>(x, x_stride, w, partial, columns, cols, ends); break;
-    case 2: micro<2, NUM_W>(x, x_stride, w, partial, columns, cols, ends); break;
-    case 3: micro<3, NUM_W>(x, x_stride, w, partial, columns, cols, ends); break;
-    case 4: micro<4, NUM_W>(x, x_stride, w, partial, columns, cols, ends); break;
-    case 5: micro<5, NUM_W>(x, x_stride, w, partial, columns, cols, ends); break;
-    default: micro<6, NUM_W>(x, x_stride, w, partial, columns, cols, ends); break;
+  if constexpr (NUM_X > 1) {
+    if (num_x < NUM_X) return micro_rows<NUM_W, NUM_X - 1>(num_x, x, x_stride, w, partial, columns, cols, ends);
   }
+  micro<NUM_X, NUM_W>(x, x_stride, w, partial, columns, cols, ends);
 }
 
 // One column step of a tile: rows x rows (stride x_stride) against cols weight rows of `tile`, in
@@ -304,7 +307,9 @@ namespace {
 // the same column order, then the same finish as the tiles, so the two agree bit for bit.
 // Up to 8 rows this is faster than the tiles (SmolLM2's linears: 11.0-12.3 ms against 13.8-14.0
 // for 8 rows); from 9 on the tiles are (14.0 against 17.1 ms; 16 rows 18.7 against 25.4):
-// decoding a weight once for all rows beats overlapping its decoding with the products.
+// decoding a weight once for all rows beats overlapping its decoding with the products. Where a
+// v16 takes several registers (AVX2, SSE, NEON), one weight row at a time for more than 2 rows of
+// x (as linear.cpp's fused path): 2 abreast held up to 16 accumulators, twice AVX2's registers.
 constexpr int64_t FUSED_MAX_ROWS = 8;
 
 template <typename B, int NUM_X, int NUM_W>
@@ -348,13 +353,15 @@ void fused(const uint16_t* x, int64_t Kp, const uint8_t* w, int64_t format, floa
     at::parallel_for(0, (N + ABREAST - 1) / ABREAST, 4, [&](int64_t c0, int64_t c1) {
       for (int64_t c = c0; c < c1; ++c) {
         const int64_t n0 = c * ABREAST;
-        if (M <= 4 && n0 + ABREAST <= N) {  // 4 weight rows abreast: 16 accumulators at most
-          fused_rows_of<B, 4, 4>(M, x, Kp, w + n0 * row_bytes, row_bytes, y + n0, N, K);
-          continue;
+        if constexpr (kVectorRegisters == 32) {
+          if (M <= 4 && n0 + ABREAST <= N) {  // 4 weight rows abreast: 16 accumulators at most
+            fused_rows_of<B, 4, 4>(M, x, Kp, w + n0 * row_bytes, row_bytes, y + n0, N, K);
+            continue;
+          }
         }
         for (int64_t n = n0; n < std::min(n0 + ABREAST, N);) {  // 2 abreast, then a last one
-          if (n + 2 <= N) {
-            fused_rows_of<B, 2>(M, x, Kp, w + n * row_bytes, row_bytes, y + n, N, K);
+          if (n + 2 <= N && (kVectorRegisters == 32 || M <= 2)) {
+            fused_rows_of<B, 2, kVectorRegisters == 32 ? FUSED_MAX_ROWS : 2>(M, x, Kp, w + n * row_bytes, row_bytes, y + n, N, K);
             n += 2;
           } else {
             fused_rows_of<B, 1>(M, x, Kp, w + n * row_bytes, row_bytes, y + n, N, K);
