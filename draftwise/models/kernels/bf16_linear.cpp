@@ -311,6 +311,7 @@ namespace {
 // v16 takes several registers (AVX2, SSE, NEON), one weight row at a time for more than 2 rows of
 // x (as linear.cpp's fused path): 2 abreast held up to 16 accumulators, twice AVX2's registers.
 constexpr int64_t FUSED_MAX_ROWS = 8;
+constexpr int PAIRED_MAX_ROWS = kVectorRegisters == 32 ? FUSED_MAX_ROWS : 2;  // rows of x for 2 weight rows abreast
 
 template <typename B, int NUM_X, int NUM_W>
 inline void fused_rows(const uint16_t* x, int64_t Kp, const uint8_t* w, int64_t row_bytes, float* y, int64_t N,
@@ -360,8 +361,8 @@ void fused(const uint16_t* x, int64_t Kp, const uint8_t* w, int64_t format, floa
           }
         }
         for (int64_t n = n0; n < std::min(n0 + ABREAST, N);) {  // 2 abreast, then a last one
-          if (n + 2 <= N && (kVectorRegisters == 32 || M <= 2)) {
-            fused_rows_of<B, 2, kVectorRegisters == 32 ? FUSED_MAX_ROWS : 2>(M, x, Kp, w + n * row_bytes, row_bytes, y + n, N, K);
+          if (n + 2 <= N && M <= PAIRED_MAX_ROWS) {
+            fused_rows_of<B, 2, PAIRED_MAX_ROWS>(M, x, Kp, w + n * row_bytes, row_bytes, y + n, N, K);
             n += 2;
           } else {
             fused_rows_of<B, 1>(M, x, Kp, w + n * row_bytes, row_bytes, y + n, N, K);
