@@ -10,7 +10,7 @@ from typing import Protocol
 import torch
 
 from draftwise.config import SamplingParams
-from draftwise.tree import check_parents
+from draftwise.tree import best_nodes, check_parents
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,3 +86,18 @@ def fork_drafter(drafter: Drafter) -> Drafter:
 
 def empty_draft() -> Draft:
     return Draft(torch.empty(0, dtype=torch.long), None)
+
+
+def best_tree_draft(tokens: list[int], parents: list[int], scores: list[float], depths: list[int], num_nodes: int,
+                    key: Hashable) -> Draft:
+    """A tree drafter's candidate tree (target token ids, parent per node, log path probability
+    per node, depth per node) cut to its num_nodes most probable nodes, best first, as a Draft
+    whose scores are the path probabilities: what the draft-length policy trims by."""
+    order, kept_parents = best_nodes(parents, scores, depths, num_nodes)
+    return Draft(
+        tokens=torch.tensor([tokens[node] for node in order], dtype=torch.long),
+        probs=None,
+        key=key,
+        parents=torch.tensor(kept_parents, dtype=torch.long),
+        scores=torch.tensor([scores[node] for node in order]).exp(),
+    )

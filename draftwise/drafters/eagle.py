@@ -22,14 +22,13 @@ import math
 import torch
 
 from draftwise.config import SamplingParams
-from draftwise.drafters.base import Draft, empty_draft
+from draftwise.drafters.base import Draft, best_tree_draft, empty_draft
 from draftwise.drafters.lookup import TreeLookup
 from draftwise.errors import ConfigError
 from draftwise.heads import check_target
 from draftwise.heads.eagle import EagleHead, rotary_angles
 from draftwise.models import ops
 from draftwise.models.kernels import native_kernels
-from draftwise.tree import best_nodes
 
 _CAUSAL = torch.empty(0, dtype=torch.bool)  # kernels.Decoder's "no mask": causal among the new rows
 
@@ -290,11 +289,4 @@ class EagleDrafter:
         if self.lookup:
             self.lookup.merge(context, tokens, parents, scores, depths)
         # The best nodes overall; a node's ancestors score at least as well, so they come first.
-        order, kept_parents = best_nodes(parents, scores, depths, num_nodes)
-        return Draft(
-            tokens=torch.tensor([tokens[node] for node in order], dtype=torch.long),
-            probs=None,
-            key="eagle",
-            parents=torch.tensor(kept_parents),
-            scores=torch.tensor([scores[node] for node in order]).exp(),
-        )
+        return best_tree_draft(tokens, parents, scores, depths, num_nodes, key="eagle")

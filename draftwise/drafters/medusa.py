@@ -18,12 +18,11 @@ from __future__ import annotations
 import torch
 
 from draftwise.config import SamplingParams
-from draftwise.drafters.base import Draft, empty_draft
+from draftwise.drafters.base import Draft, best_tree_draft, empty_draft
 from draftwise.drafters.eagle import compact_copy
 from draftwise.drafters.lookup import TreeLookup
 from draftwise.heads import check_target
 from draftwise.heads.medusa import MedusaHeads
-from draftwise.tree import best_nodes
 
 
 class MedusaDrafter:
@@ -74,11 +73,4 @@ class MedusaDrafter:
         if self.lookup:
             self.lookup.merge(context, tokens, parents, scores, depths)
         # The best nodes overall; a node's ancestors score at least as well (log-probabilities <= 0).
-        order, kept_parents = best_nodes(parents, scores, depths, num_draft_tokens)
-        return Draft(
-            tokens=torch.tensor([tokens[node] for node in order], dtype=torch.long),
-            probs=None,
-            key="medusa",
-            parents=torch.tensor(kept_parents),
-            scores=torch.tensor([scores[node] for node in order]).exp(),
-        )
+        return best_tree_draft(tokens, parents, scores, depths, num_draft_tokens, key="medusa")
