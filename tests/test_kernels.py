@@ -543,6 +543,79 @@ def test_the_first_builds_message_says_how_long_it_takes_on_this_cpu(monkeypatch
         assert "about 2 minutes" in message and "AVX2" not in message
 
 
+
+def test_a_new_build_removes_the_builds_nobody_loaded_for_a_month(monkeypatch, tmp_path):
+    """Every upgrade, torch version or checkout makes its own build; a new one clears the others
+    unused for STALE_AFTER_DAYS (by their last load, not their age), and nothing else."""
+    import os
+    import time
+
+    import torch.utils.cpp_extension as cpp_extension
+
+    root = tmp_path / "kernels"
+    day = 86400.0
+    now = time.time()
+
+    def build(name: str, built_days_ago: float, loaded_days_ago: float | None) -> Path:
+        folder = root / name
+        folder.mkdir(parents=True)
+        library = folder / "draftwise_kernels.so"
+        library.write_bytes(b"")
+        stamps = [library, folder]
+        if loaded_days_ago is not None:
+            (folder / kernels_module.USED_MARKER).touch()
+            os.utime(folder / kernels_module.USED_MARKER, (now - loaded_days_ago * day,) * 2)
+        for path in stamps:
+            os.utime(path, (now - built_days_ago * day,) * 2)
+        return folder
+
+    old_unused = build("draftwise_kernels-aaaaaaaaaaaa", 90, 45)
+    old_in_use = build("draftwise_kernels-bbbbbbbbbbbb", 90, 2)  # built long ago, loaded this week
+    before_markers = build("draftwise_kernels-cccccccccccc", 40, None)  # a build from before the marker
+    recent = build("draftwise_kernels-dddddddddddd", 3, None)
+    not_a_build = root / "notes"
+    not_a_build.mkdir()
+    os.utime(not_a_build, (now - 90 * day,) * 2)
+
+    new = root / "draftwise_kernels-eeeeeeeeeeee"
+    monkeypatch.setattr(kernels_module, "_build_directory", lambda: new)
+
+    def compile_it(**kwargs):
+        (new / "draftwise_kernels.so").write_bytes(b"")
+        return "built"
+
+    monkeypatch.setattr(cpp_extension, "load", compile_it)
+    assert kernels_module._build(progress=False) == "built"
+    assert not old_unused.exists() and not before_markers.exists()
+    assert old_in_use.exists() and recent.exists() and not_a_build.exists() and new.exists()
+    assert time.time() - (new / kernels_module.USED_MARKER).stat().st_mtime < day
+
+    # A later load of an existing build is not a new build: it only stamps its own use.
+    os.utime(recent, (now - 60 * day,) * 2)
+    os.utime(recent / "draftwise_kernels.so", (now - 60 * day,) * 2)
+    assert kernels_module._build(progress=False) == "built"
+    assert recent.exists()
+
+
+def test_loading_a_build_stamps_it_as_used(monkeypatch, tmp_path):
+    """The stamp is what keeps a build in use from another build's clean-up."""
+    import os
+    import time
+
+    import torch.utils.cpp_extension as cpp_extension
+
+    folder = tmp_path / "draftwise_kernels-ffffffffffff"
+    folder.mkdir()
+    (folder / "draftwise_kernels.so").write_bytes(b"")
+    (folder / kernels_module.USED_MARKER).touch()
+    for path in (folder / kernels_module.USED_MARKER, folder / "draftwise_kernels.so", folder):
+        os.utime(path, (time.time() - 50 * 86400,) * 2)
+    assert kernels_module._last_used(folder) < time.time() - 49 * 86400
+    monkeypatch.setattr(kernels_module, "_build_directory", lambda: folder)
+    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: "loaded")
+    assert kernels_module._build(progress=False) == "loaded"
+    assert time.time() - kernels_module._last_used(folder) < 60
+
 @pytest.mark.parametrize("compiler", [("gcc", "12.2.0"), ("gcc", "13.3.0"), ("clang", "14.0.6"), ("", "")])
 def test_no_compiler_fuses_products_and_sums_by_itself_and_each_compiler_has_its_own_build(monkeypatch, compiler):
     """GCC 13.3 contracted a Q4_0 product's decode and dequantised paths differently (an ulp

@@ -15,7 +15,9 @@ import functools
 import hashlib
 import os
 import platform
+import shutil
 import sys
+import time
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -33,7 +35,10 @@ DISABLE_ENV = "DRAFTWISE_KERNEL"
 # CPU's: a developer's way to run and time the AVX2 paths (what an AMD EPYC Zen 3 builds) on a CPU
 # with AVX-512. Its own build; auto activations then follow what the build has (float32 there).
 MARCH_ENV = "DRAFTWISE_MARCH"
-
+# Every draftwise upgrade (new sources), torch version, compiler or checkout gets a build of its
+# own (5-6 MB); a new build removes the others no process has loaded for this long.
+STALE_AFTER_DAYS = 30
+USED_MARKER = "last-used"
 
 
 def native_kernels(progress: bool = True) -> ModuleType | None:
@@ -61,7 +66,8 @@ def _build(progress: bool) -> ModuleType | None:
 
     build_dir = _build_directory()
     build_dir.mkdir(parents=True, exist_ok=True)
-    if progress and not any(build_dir.glob("*.so")):
+    first_build = not any(build_dir.glob("*.so"))
+    if progress and first_build:
         print(_build_notice(), file=sys.stderr, flush=True)
     try:
         module = load(
@@ -87,7 +93,41 @@ def _build(progress: bool) -> ModuleType | None:
             stacklevel=2,
         )
         return None
+    _mark_used(build_dir)
+    if first_build:
+        _remove_stale_builds(build_dir)
     return module
+
+
+def _mark_used(build_dir: Path) -> None:
+    """Stamp the build as loaded now (its marker's mtime), so that no other build's clean-up
+    takes it while it is in use. A read-only cache keeps its builds."""
+    try:
+        (build_dir / USED_MARKER).touch()
+    except OSError:
+        pass
+
+
+def _last_used(build_dir: Path) -> float:
+    """When a build was last loaded: its marker's mtime, or, for builds older than the marker,
+    the latest mtime of the folder and its libraries (a build under way is new by these too)."""
+    paths = [build_dir, build_dir / USED_MARKER, *build_dir.glob("*.so")]
+    return max((path.stat().st_mtime for path in paths if path.exists()), default=0.0)
+
+
+def _remove_stale_builds(keep: Path) -> list[Path]:
+    """Remove the other kernel builds beside `keep` that no process has loaded for
+    STALE_AFTER_DAYS (called after a new build: the old ones are then usually an earlier
+    draftwise's or torch's). Only folders named as builds are touched; returns what went."""
+    cutoff = time.time() - STALE_AFTER_DAYS * 86400
+    removed = []
+    for other in sorted(keep.parent.glob("draftwise_kernels-*")):
+        if other == keep or not other.is_dir() or _last_used(other) >= cutoff:
+            continue
+        shutil.rmtree(other, ignore_errors=True)
+        if not other.exists():
+            removed.append(other)
+    return removed
 
 
 def builds_portable_code() -> bool:
