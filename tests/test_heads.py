@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 from dataclasses import replace
 
@@ -322,16 +323,49 @@ def test_eagle_with_and_without_prompt_lookup_equals_plain_greedy(smollm2, plain
     assert tokens_per_forward_if_equal(Engine(smollm2, drafter, num_draft_tokens=24), plain_outputs) > 1.5
 
 
-@pytest.mark.parametrize("flags, expected", [("flags\t: fpu avx2 fma avx512f avx512_vnni", "int8"),
-                                             ("flags\t: fpu avx2 fma avx_vnni", "float32"),
-                                             ("flags\t: fpu avx2 fma f16c", "float32"), ("", "float32")])
-def test_the_head_multiplies_on_int8_activations_only_where_the_cpu_has_vnni(monkeypatch, eagle_head, flags, expected):
+@pytest.mark.parametrize("vnni, expected", [(True, "int8"), (False, "float32")])
+def test_the_head_multiplies_on_int8_activations_only_where_the_kernels_have_vnni(monkeypatch, eagle_head, vnni,
+                                                                                   expected):
     """Without VNNI (AVX2 alone) int8 Q8_0 products are slower than float32 ones (README, "CPUs
     with AVX2 but no AVX-512"), so the head's copy keeps float32 activations there."""
     from draftwise.models import kernels as kernels_module
     from draftwise.models.linear import BlockLinear
 
-    monkeypatch.setattr(kernels_module, "_cpu_flags_line", lambda: flags)
+    monkeypatch.setattr(kernels_module, "has_vnni", lambda: vnni)
     compact = compact_copy(eagle_head)
     linears = [module for module in compact.modules() if isinstance(module, BlockLinear)]
     assert linears and {linear.weight.activations for linear in linears} == {expected}
+
+
+@pytest.mark.parametrize("flags, built_with_vnni, expected", [
+    ("flags\t: fpu avx2 fma avx512f avx512_vnni", True, True),
+    ("flags\t: fpu avx2 fma avx512f avx512_vnni", False, False),  # DRAFTWISE_MARCH=x86-64-v3 on that CPU
+    ("flags\t: fpu avx2 fma avx_vnni", False, False),
+    ("flags\t: fpu avx2 fma f16c", False, False),
+])
+def test_vnni_is_what_the_loaded_build_has_and_else_what_the_cpu_has(monkeypatch, flags, built_with_vnni, expected):
+    """A build for an instruction set below the CPU's (DRAFTWISE_MARCH) has AVX2's byte products
+    even where the CPU has VNNI: the head then takes float32 activations there, as on a Zen 3."""
+    from types import SimpleNamespace
+
+    from draftwise.models import kernels as kernels_module
+
+    monkeypatch.setattr(kernels_module, "_cpu_flags_line", lambda: flags)
+    monkeypatch.setattr(kernels_module, "loaded_kernels", lambda: None)
+    assert kernels_module.has_vnni() is ("avx512_vnni" in flags)
+    build = SimpleNamespace(int8_dot_in_hardware=lambda: built_with_vnni)
+    monkeypatch.setattr(kernels_module, "loaded_kernels", lambda: build)
+    assert kernels_module.has_vnni() is expected
+
+
+def test_the_native_build_has_vnni_exactly_where_the_cpu_does():
+    """The compiled answer (the build's instruction-set macros) agrees with /proc/cpuinfo when the
+    build is for this CPU."""
+    from draftwise.models import kernels as kernels_module
+
+    kernels = kernels_module.native_kernels(progress=False)
+    if os.environ.get(kernels_module.MARCH_ENV):  # a build for another instruction set: VNNI only in AVX-512 code
+        assert not kernels.int8_dot_in_hardware() or kernels.vector_paths() == "avx512"
+    else:
+        flags = kernels_module._cpu_flags_line().split()
+        assert kernels.int8_dot_in_hardware() == ("avx512_vnni" in flags and "avx512f" in flags)

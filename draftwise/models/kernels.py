@@ -211,7 +211,11 @@ def has_vnni() -> bool:
     """Whether the int8 kernels get AVX-512 VNNI's one-instruction byte dot product (their only
     VNNI form: a CPU with AVX-VNNI but no AVX-512 builds the AVX2 one). Without it Q8_0 products
     on int8 activations take three byte multiply-adds per 32 bytes and are slower than on
-    float32 activations."""
+    float32 activations. The build's answer where it is loaded (a DRAFTWISE_MARCH=x86-64-v3 build
+    on a CPU with VNNI has the AVX2 code), else the CPU's flags."""
+    kernels = loaded_kernels()
+    if kernels is not None:
+        return kernels.int8_dot_in_hardware()
     return "avx512_vnni" in _cpu_flags_line().split()
 
 

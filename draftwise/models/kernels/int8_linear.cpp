@@ -1033,4 +1033,12 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, int64_t fo
   return y;
 }
 
+bool int8_dot_in_hardware() {
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 }  // namespace draftwise

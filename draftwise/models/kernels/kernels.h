@@ -12,8 +12,10 @@ namespace draftwise {
 // (a GGML type id: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K) -> [M, N] float32.
 at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& weight, int64_t format, int64_t K);
 // The same product with each row of x rounded to 8 bits per 32 columns and exact integer dot
-// products (quantized block formats only); see int8_linear.cpp.
+// products (quantized block formats only); see int8_linear.cpp. int8_dot_in_hardware: whether
+// this build has AVX-512 VNNI's one-instruction byte dot product (AVX2 takes three to its one).
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, int64_t format, int64_t K);
+bool int8_dot_in_hardware();
 // The same product with x and W's values rounded to bfloat16, products summed in float32 (any
 // format); see bf16_linear.cpp. bf16_dot_in_hardware: whether this build has AVX-512 BF16's
 // dot product (otherwise the same arithmetic runs in float32 instructions, slower).

@@ -23,6 +23,7 @@ const char* vector_paths() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("blocked_linear", &draftwise::blocked_linear, "x [M, K] float32 @ W.T, W in a GGUF block format");
   m.def("int8_linear", &draftwise::int8_linear, "x [M, K] rounded to int8 @ W.T, W in a GGUF block format");
+  m.def("int8_dot_in_hardware", &draftwise::int8_dot_in_hardware, "whether int8_linear runs on AVX-512 VNNI");
   m.def("bf16_linear", &draftwise::bf16_linear, "x [M, K] rounded to bfloat16 @ W.T rounded to bfloat16");
   m.def("amx_linear", &draftwise::amx_linear, "x [M, K] rounded to bfloat16 @ W.T rounded to bfloat16, on AMX tiles");
   m.def("amx_in_hardware", &draftwise::amx_in_hardware, "whether amx_linear can run here (AMX-BF16, OS permission)");
