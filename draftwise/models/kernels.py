@@ -66,6 +66,7 @@ def _build(progress: bool) -> ModuleType | None:
 
     build_dir = _build_directory()
     build_dir.mkdir(parents=True, exist_ok=True)
+    _mark_used(build_dir)  # before loading: another process's clean-up never takes a build being loaded
     first_build = not any(build_dir.glob("*.so"))
     if progress and first_build:
         print(_build_notice(), file=sys.stderr, flush=True)
@@ -93,7 +94,6 @@ def _build(progress: bool) -> ModuleType | None:
             stacklevel=2,
         )
         return None
-    _mark_used(build_dir)
     if first_build:
         _remove_stale_builds(build_dir)
     return module
