@@ -63,7 +63,7 @@ def load(
     drafter="eagle" drafts trees with a head on the target's hidden states: `head` is a folder
     written by `draftwise train` (default: the head shipped for the target, if any).
     """
-    from draftwise.drafters import build_drafter
+    from draftwise.drafters import build_drafter, check_before_loading
     from draftwise.models import loading
 
     if not isinstance(drafter, str):  # the caller's own Drafter (examples/custom_drafter.py)
@@ -74,6 +74,7 @@ def load(
     spec = SpecConfig(drafter=drafter, num_draft_tokens=num_draft_tokens, draft_model=draft_model,
                       draft_length=draft_length, cross_vocab_method=cross_vocab_method, draft_quantize=draft_quantize,
                       head=head)
+    check_before_loading(spec, model)
     target = loading.load(model, dtype=dtype, auto_fetch=model == DEFAULT_MODEL, progress=progress, quantize=quantize,
                           activations=activations, kv_cache=kv_cache)
     return engine_for(spec, target, build_drafter(spec, target, dtype=dtype, progress=progress))

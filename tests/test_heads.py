@@ -153,6 +153,35 @@ def test_no_shipped_head_for_a_target_names_the_training_command():
         head_for("qwen2.5-coder-1.5b", "medusa")
 
 
+
+@pytest.mark.parametrize("drafter, head, message", [
+    ("eagle", None, "no eagle head is shipped for qwen2.5-coder-0.5b"),
+    ("medusa", None, "no medusa head is shipped for qwen2.5-coder-0.5b"),
+    ("eagle", "missing", "is not a draft head"),
+    ("eagle", "medusa", "is a head for --drafter medusa, not --drafter eagle"),
+    ("medusa", "eagle", "is a head for --drafter eagle, not --drafter medusa"),
+])
+def test_a_wrong_or_missing_head_is_refused_before_the_target_loads(monkeypatch, tmp_path, drafter, head, message):
+    """The target's load takes seconds (minutes for a first fetch): what the head drafters would
+    refuse after it, draftwise.load refuses before it."""
+    import draftwise
+    from draftwise.heads import SHIPPED
+    from draftwise.models import loading
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the target loaded before the head was checked")
+
+    monkeypatch.setattr(loading, "load", no_loading)
+    folder = {None: None, "missing": str(tmp_path / "nothing-here"),
+              "medusa": str(SHIPPED / "smollm2-135m" / "medusa"), "eagle": str(SHIPPED / "smollm2-135m" / "eagle")}[head]
+    model = "qwen2.5-coder-0.5b" if head is None else "smollm2-135m"
+    with pytest.raises(ConfigError, match=message):
+        draftwise.load(model, drafter=drafter, head=folder, progress=False)
+    # A good head is not refused: the load goes on (to the stub here).
+    if head is not None:
+        with pytest.raises(AssertionError, match="target loaded"):
+            draftwise.load(model, drafter=drafter, head=str(SHIPPED / model / drafter), progress=False)
+
 def test_a_head_stored_in_q8_0_blocks_drafts_exactly_as_its_bfloat16_file(smollm2, plain_outputs, tmp_path):
     """Q8_0 is what the drafter multiplies by anyway (compact_copy): a file in Q8_0 blocks is half
     the bytes of the bfloat16 one and gives the same blocks at run time, so the same drafts."""

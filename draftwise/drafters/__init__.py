@@ -71,6 +71,38 @@ def _check_native(target: LoadedModel) -> None:
                           "head its hidden states: use --drafter ngram, model or cross-vocab.")
 
 
+def _check_head(kind: str) -> Callable[[SpecConfig, str], None]:
+    """The check of a head drafter's head before the target loads: the --head folder is a head of
+    this kind, or one is shipped for a packaged target (a hub id or path is checked after loading,
+    against the loaded model's name)."""
+    def check(spec: SpecConfig, model: str) -> None:
+        import importlib
+
+        from draftwise.heads import head_for
+        from draftwise.heads.eagle import read_head_config
+        from draftwise.models.registry import PACKAGED_MODELS
+
+        if spec.head is not None:  # heads/eagle.py or heads/medusa.py says which format it reads
+            read_head_config(spec.head, kind, importlib.import_module(f"draftwise.heads.{kind}").FORMAT_VERSION)
+        elif model in PACKAGED_MODELS:
+            head_for(model, kind)
+    return check
+
+
+# name -> check(spec, model), what can be refused before any model loads (seconds to minutes).
+CHECKS_BEFORE_LOADING: dict[str, Callable[[SpecConfig, str], None]] = {
+    "eagle": _check_head("eagle"),
+    "medusa": _check_head("medusa"),
+}
+
+
+def check_before_loading(spec: SpecConfig, model: str) -> None:
+    """Refuse, before the target loads, what the drafter's factory would refuse after it."""
+    check = CHECKS_BEFORE_LOADING.get(spec.drafter)
+    if check is not None:
+        check(spec, model)
+
+
 # name -> factory(spec, target, dtype, progress); None means plain decoding.
 DRAFTERS: dict[str, Callable[[SpecConfig, LoadedModel, str, bool], Drafter] | None] = {
     "none": None,
@@ -90,4 +122,5 @@ def build_drafter(spec: SpecConfig, target: LoadedModel, dtype: str = "auto", pr
     return None if factory is None else factory(spec, target, dtype, progress)
 
 
-__all__ = ["DRAFTERS", "CrossVocabDrafter", "Draft", "Drafter", "ModelDrafter", "NgramDrafter", "build_drafter"]
+__all__ = ["DRAFTERS", "CrossVocabDrafter", "Draft", "Drafter", "ModelDrafter", "NgramDrafter", "build_drafter",
+           "check_before_loading"]

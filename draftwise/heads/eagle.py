@@ -221,22 +221,32 @@ def _float_tensors(tensors: dict[str, torch.Tensor], storage: str) -> dict[str, 
     return out
 
 
-def read_head_files(folder: str | Path, kind: str, format_version: int) -> tuple[dict, dict[str, torch.Tensor]]:
-    """A head folder's config fields and float32 tensors, or a clear error."""
-    from safetensors.torch import load_file
-
+def read_head_config(folder: str | Path, kind: str, format_version: int) -> dict:
+    """A head folder's config fields, or a clear error where it is not a head of this kind and
+    format (cheap: draftwise.load asks before it loads the target)."""
     folder = Path(folder)
     config_path, weights_path = folder / CONFIG_NAME, folder / WEIGHTS_NAME
     if not config_path.is_file() or not weights_path.is_file():
         raise ConfigError(f"{folder} is not a draft head: it needs {CONFIG_NAME} and {WEIGHTS_NAME} "
                           "(as written by `draftwise train` into OUT/eagle or OUT/medusa).")
     fields = json.loads(config_path.read_text())
+    if fields.get("kind") in ("eagle", "medusa") and fields.get("kind") != kind:
+        raise ConfigError(f"{folder} is a head for --drafter {fields['kind']}, not --drafter {kind}: pass it with "
+                          f"--drafter {fields['kind']}, or train one for {kind} with `draftwise train --kind {kind}`.")
     if fields.get("format_version") != format_version or fields.get("kind") != kind:
         raise ConfigError(f"{config_path} is a {fields.get('kind')!r} head of format {fields.get('format_version')}; "
                           f"this reads {kind!r} heads of format {format_version}: retrain it with "
                           f"`draftwise train --kind {kind}`.")
+    return fields
+
+
+def read_head_files(folder: str | Path, kind: str, format_version: int) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A head folder's config fields and float32 tensors, or a clear error."""
+    from safetensors.torch import load_file
+
+    fields = read_head_config(folder, kind, format_version)
     # Files written before weight_storage existed hold bfloat16 matrices.
-    return fields, _float_tensors(load_file(weights_path), fields.setdefault("weight_storage", "bf16"))
+    return fields, _float_tensors(load_file(Path(folder) / WEIGHTS_NAME), fields.setdefault("weight_storage", "bf16"))
 
 
 def fill_lm_head(head: nn.Module, tensors: dict[str, torch.Tensor], target_model) -> nn.Module:
