@@ -137,3 +137,28 @@ def test_an_unknown_model_is_refused_before_the_kernels_are_compiled(monkeypatch
     monkeypatch.setattr(loading, "native_kernels", no_build)
     with pytest.raises(ModelNotFoundError, match="unknown model 'smollm2-135n'"):
         loading.load("smollm2-135n")
+
+
+@pytest.mark.parametrize("drafter, draft_model, message", [
+    ("model", "no-such-draft", "unknown model 'no-such-draft'"),
+    ("cross-vocab", "no-such-draft", "unknown model 'no-such-draft'"),
+    ("model", "EMPTY", "neither an HF model folder"),
+    ("model", "qwen2.5-coder-0.5b", "draftwise models fetch qwen2.5-coder-0.5b"),  # with an empty cache
+])
+def test_a_draft_model_that_cannot_be_found_is_refused_before_the_target_loads(monkeypatch, tmp_path, drafter,
+                                                                                draft_model, message):
+    """The target loads in seconds to minutes; a mistyped or unfetched draft model is said first."""
+    import draftwise
+    from draftwise.errors import ModelNotFoundError
+    from draftwise.models import loading
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the target loaded before the draft model was looked for")
+
+    monkeypatch.setattr(loading, "load", no_loading)
+    monkeypatch.setenv("DRAFTWISE_CACHE", str(tmp_path / "cache"))
+    if draft_model == "EMPTY":
+        draft_model = str(tmp_path)
+    with pytest.raises(ModelNotFoundError, match=message):
+        draftwise.load("smollm2-135m", drafter=drafter, draft_model=draft_model, progress=False)
+    assert loading.check_findable("some-org/some-model") is None  # a hub id: taken on trust until downloaded

@@ -89,8 +89,17 @@ def _check_head(kind: str) -> Callable[[SpecConfig, str], None]:
     return check
 
 
+def _check_draft_model(spec: SpecConfig, model: str) -> None:
+    """The draft model can be found (packaged and fetched, a folder or .gguf, or a hub id)."""
+    from draftwise.models import loading
+
+    loading.check_findable(spec.draft_model)
+
+
 # name -> check(spec, model), what can be refused before any model loads (seconds to minutes).
 CHECKS_BEFORE_LOADING: dict[str, Callable[[SpecConfig, str], None]] = {
+    "model": _check_draft_model,
+    "cross-vocab": _check_draft_model,
     "eagle": _check_head("eagle"),
     "medusa": _check_head("medusa"),
 }

@@ -66,6 +66,37 @@ def gguf_source(spec: str) -> Path | None:
     return ggufs[0] if len(ggufs) == 1 else None
 
 
+def check_findable(spec: str, auto_fetch: bool = False, weights: bool = False) -> None:
+    """Raise resolve's error where spec names no model it can find, fetching and converting
+    nothing (cheap: draftwise.load asks it of a draft model before loading the target). A hub id
+    is taken on trust until it is downloaded."""
+    if spec in registry.PACKAGED_MODELS:
+        converted = registry.gguf_path(spec).parent / "hf"
+        ready = _is_hf_folder(converted) or not weights and _is_described(converted)
+        if not ready and not registry.is_fetched(spec) and not auto_fetch:
+            raise ModelNotFoundError(
+                f"model {spec!r} is not fetched yet: run `draftwise models fetch {spec}` first."
+            )
+        return
+    path = Path(spec).expanduser()
+    if path.exists():
+        if not _is_hf_folder(path) and len(_ggufs(path)) != 1:
+            raise ModelNotFoundError(
+                f"{path} is neither an HF model folder (config.json + *.safetensors + tokenizer) "
+                "nor a single .gguf file."
+            )
+        return
+    if "/" not in spec or spec.startswith((".", "/", "~")):
+        raise ModelNotFoundError(
+            f"unknown model {spec!r}: not a packaged model ({', '.join(registry.PACKAGED_MODELS)}), "
+            "not an existing path, not a hub id. See `draftwise models list`."
+        )
+
+
+def _ggufs(path: Path) -> list[Path]:
+    return [path] if path.suffix == ".gguf" else sorted(path.glob("*.gguf")) if path.is_dir() else []
+
+
 def resolve(spec: str, auto_fetch: bool = False, progress: bool = True, weights: bool = True) -> Path:
     """Return an HF folder (config.json + tokenizer + safetensors) for spec. weights=False: for
     a GGUF model, config and tokenizer suffice (the native decoder reads the file's blocks), so
@@ -74,28 +105,16 @@ def resolve(spec: str, auto_fetch: bool = False, progress: bool = True, weights:
         converted = registry.gguf_path(spec).parent / "hf"
         if _is_hf_folder(converted) or not weights and _is_described(converted):
             return converted
-        if not registry.is_fetched(spec) and not auto_fetch:
-            raise ModelNotFoundError(
-                f"model {spec!r} is not fetched yet: run `draftwise models fetch {spec}` first."
-            )
+        check_findable(spec, auto_fetch, weights)
         return _from_gguf(lambda: registry.fetch(spec, progress=progress), converted, weights)
+    check_findable(spec, auto_fetch)
     path = Path(spec).expanduser()
     if path.exists():
         if _is_hf_folder(path):
             return path
-        ggufs = [path] if path.suffix == ".gguf" else sorted(path.glob("*.gguf")) if path.is_dir() else []
-        if len(ggufs) != 1:
-            raise ModelNotFoundError(
-                f"{path} is neither an HF model folder (config.json + *.safetensors + tokenizer) "
-                "nor a single .gguf file."
-            )
-        return _from_gguf(lambda: ggufs[0], _converted_folder_for(ggufs[0]), weights)
-    if "/" in spec and not spec.startswith((".", "/", "~")):
-        return _download_from_hub(spec)
-    raise ModelNotFoundError(
-        f"unknown model {spec!r}: not a packaged model ({', '.join(registry.PACKAGED_MODELS)}), "
-        "not an existing path, not a hub id. See `draftwise models list`."
-    )
+        gguf = _ggufs(path)[0]
+        return _from_gguf(lambda: gguf, _converted_folder_for(gguf), weights)
+    return _download_from_hub(spec)
 
 
 def load(spec: str, dtype: str = "auto", auto_fetch: bool = False, progress: bool = True,
