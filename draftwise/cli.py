@@ -148,12 +148,32 @@ def _serve(args) -> int:
             raise ConfigError(f"--{flag.replace('_', '-')} {getattr(args, flag)} is invalid: give at least 1.")
     if args.request_timeout <= 0:
         raise ConfigError(f"--request-timeout {args.request_timeout} is invalid: give a positive number of seconds.")
+    if args.port > 65535:
+        raise ConfigError(f"--port {args.port} is invalid: ports go up to 65535.")
+    _check_can_listen(args.host, args.port)
     engine = _load_engine(args)
     settings = ServerSettings(api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                               request_timeout_s=args.request_timeout, default_max_tokens=args.max_tokens_default,
                               max_tokens_limit=args.max_tokens_limit, sampling_mode=args.sampling_mode)
     serve(engine, args.host, args.port, args.max_batch, args.max_queue, args.prefill_chunk, settings)
     return 0
+
+
+def _check_can_listen(host: str, port: int) -> None:
+    """Bind host:port once and let it go, before the model loads: a port in use or a host this
+    machine does not have is said at once, not after the load (the server binds it again)."""
+    import socket
+
+    from draftwise.errors import ConfigError
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            probe.bind(address)
+    except OSError as error:
+        raise ConfigError(f"cannot serve on {host}:{port} ({error.strerror or error}): pick another --port "
+                          "or --host.") from None
 
 
 def _add_bench(subparsers) -> None:

@@ -190,3 +190,32 @@ def test_train_refuses_a_step_of_no_sequences_before_any_work(tmp_path, capsys):
         err = capsys.readouterr().err
         assert "must be at least 1" in err and "Traceback" not in err
     assert not any(tmp_path.iterdir())  # no data made, no checkpoint written
+
+
+@pytest.mark.parametrize("where", ["busy port", "port out of range", "unknown host"])
+def test_serve_says_it_cannot_listen_before_loading_the_model(capsys, monkeypatch, where):
+    """A port in use or a host this machine lacks was said by uvicorn after the model's load
+    (with a raw OverflowError for a port past 65535); now before it, in one line."""
+    import socket
+
+    from draftwise import cli
+
+    def no_loading(args):
+        raise AssertionError("the model loaded before the address was checked")
+
+    monkeypatch.setattr(cli, "_load_engine", no_loading)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        host, port = {"busy port": ("127.0.0.1", busy.getsockname()[1]), "port out of range": ("127.0.0.1", 99999),
+                      "unknown host": ("no-such-host.invalid", 8000)}[where]
+        code, _, err = run(capsys, "serve", "--host", host, "--port", str(port))
+    assert code == 2 and "Traceback" not in err
+    assert {"busy port": "Address already in use", "port out of range": "ports go up to 65535",
+            "unknown host": f"cannot serve on {host}:{port}"}[where] in err
+    # A free address passes the check: the load goes on (to the stub here).
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        free = probe.getsockname()[1]
+    with pytest.raises(AssertionError, match="model loaded"):
+        main(["serve", "--port", str(free)])
