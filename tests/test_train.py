@@ -181,6 +181,20 @@ def test_a_malformed_prompts_file_is_refused_with_its_line(tmp_path, line, probl
         read_prompts(path)
 
 
+
+def test_an_output_that_is_a_file_or_a_mistyped_target_is_refused_before_any_work(tmp_path, capsys):
+    """--out naming a file ended in a FileExistsError traceback; a mistyped target left an empty
+    output folder behind. Both are now one line, before the target loads."""
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    assert main(["train", "--out", str(a_file), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "is a file: give --out a folder" in err and "Traceback" not in err
+    assert a_file.read_text() == "mine"
+    assert main(["train", "--target", "smollm2-135n", "--out", str(tmp_path / "head"), "--quiet"]) == 2
+    assert "unknown model 'smollm2-135n'" in capsys.readouterr().err
+    assert not (tmp_path / "head").exists()
+
 def test_a_head_for_another_target_is_refused(trained, qwen_0_5b):
     out, _, _ = trained
     with pytest.raises(ConfigError, match="trained for 'smollm2-135m'"):

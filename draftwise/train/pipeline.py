@@ -265,7 +265,13 @@ def _train_head(target_name: str, output: Path, data_settings: DataSettings, set
     from draftwise.drafters.eagle import EagleDrafter
     from draftwise.drafters.medusa import MedusaDrafter
 
-    output.mkdir(parents=True, exist_ok=True)
+    loading.check_findable(target_name)  # a mistyped target leaves no output folder behind
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        what = "a file" if output.exists() else f"not writable here ({error.strerror})"
+        raise ConfigError(f"the output folder {output} is {what}: give --out a folder to hold the data, the "
+                          "checkpoint and the head.") from None
     target = loading.load(target_name, dtype="auto", progress=progress)
     if not hasattr(target.model, "shape"):
         raise ConfigError(f"{target_name} runs through the transformers fallback: heads need the native decoder "
