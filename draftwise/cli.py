@@ -241,6 +241,7 @@ def _bench(args) -> int:
     from draftwise.bench.report import write_report
     from draftwise.bench.runner import BenchConfig, build_methods, run_bench
     from draftwise.bench.suite import default_prompt_dir, load_suite
+    from draftwise.output import make_output_folder
 
     quick = {"per_category": 1, "max_new_tokens": 32, "repeats": 1, "quantize": ()} if args.quick else {}
     quantize = tuple(name for name in args.quantize.split(",") if name and name != "none")
@@ -257,6 +258,7 @@ def _bench(args) -> int:
                          drafters=tuple(args.drafters.split(",")) if args.drafters else None, heads=args.heads)
     categories = args.categories.split(",") if args.categories else None
     prompts = load_suite(args.prompts or default_prompt_dir(), categories, quick.get("per_category", args.per_category))
+    make_output_folder(args.out, "the reports")  # now, not after the runs
     methods, skipped = build_methods(config, progress=not args.quiet)
     print(f"{len(prompts)} prompts x {len(methods)} methods x {config.repeats} repeats", file=sys.stderr)
     for note in skipped:

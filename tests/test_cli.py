@@ -219,3 +219,23 @@ def test_serve_says_it_cannot_listen_before_loading_the_model(capsys, monkeypatc
         free = probe.getsockname()[1]
     with pytest.raises(AssertionError, match="model loaded"):
         main(["serve", "--port", str(free)])
+
+
+def test_bench_refuses_an_unusable_report_folder_before_running_anything(capsys, monkeypatch, tmp_path):
+    """--out naming a file ended the bench in a FileExistsError traceback AFTER every run, the
+    timings lost; now it is one line before the first model loads."""
+    from draftwise.bench import runner
+
+    def no_runs(*args, **kwargs):
+        raise AssertionError("the bench ran before its report folder was made")
+
+    monkeypatch.setattr(runner, "build_methods", no_runs)
+    a_file = tmp_path / "latest"
+    a_file.write_text("not a folder")
+    code, _, err = run(capsys, "bench", "--out", str(a_file), "--quick")
+    assert code == 2 and "is a file: give --out a folder to hold the reports" in err and "Traceback" not in err
+    code, _, err = run(capsys, "bench", "--per-category", "0")
+    assert code == 2 and "per_category=0 is invalid" in err
+    with pytest.raises(AssertionError, match="bench ran"):  # a usable folder: the bench goes on (to the stub)
+        main(["bench", "--out", str(tmp_path / "reports"), "--quick"])
+    assert (tmp_path / "reports").is_dir()

@@ -24,6 +24,8 @@ def default_prompt_dir() -> Path:
 
 def load_suite(folder: Path, categories: list[str] | None = None, per_category: int | None = None) -> list[BenchPrompt]:
     """Read every *.jsonl file in folder; keep the given categories and the first per_category of each."""
+    if per_category is not None and per_category < 1:
+        raise ConfigError(f"per_category={per_category} is invalid: take at least 1 prompt of each category.")
     files = sorted(Path(folder).glob("*.jsonl"))
     if not files:
         raise ConfigError(f"no *.jsonl prompt files in {folder}: pass --prompts DIR (see benchmarks/prompts/README.md).")

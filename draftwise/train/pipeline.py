@@ -23,6 +23,7 @@ from draftwise.errors import ConfigError
 from draftwise.heads.eagle import EagleConfig, EagleHead
 from draftwise.heads.medusa import MedusaConfig, MedusaHeads
 from draftwise.models import loading
+from draftwise.output import make_output_folder
 from draftwise.train import data as datagen
 from draftwise.train.losses import eagle_loss, medusa_loss
 from draftwise.train.trainer import (TrainSettings, TrainState, default_learning_rate, default_precision,
@@ -266,12 +267,7 @@ def _train_head(target_name: str, output: Path, data_settings: DataSettings, set
     from draftwise.drafters.medusa import MedusaDrafter
 
     loading.check_findable(target_name)  # a mistyped target leaves no output folder behind
-    try:
-        output.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        what = "a file" if output.exists() else f"not writable here ({error.strerror})"
-        raise ConfigError(f"the output folder {output} is {what}: give --out a folder to hold the data, the "
-                          "checkpoint and the head.") from None
+    make_output_folder(output, "the data, the checkpoint and the head")
     target = loading.load(target_name, dtype="auto", progress=progress)
     if not hasattr(target.model, "shape"):
         raise ConfigError(f"{target_name} runs through the transformers fallback: heads need the native decoder "
