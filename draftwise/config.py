@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from draftwise.errors import ConfigError
@@ -64,6 +65,17 @@ class SamplingParams:
     def is_coupled(self) -> bool:
         """Sampling whose text is a function of (seed, prompt) only (sampling_mode="coupled")."""
         return self.sampling_mode == "coupled" and not self.is_greedy
+
+
+def with_sampling(params: SamplingParams | None, fields: dict) -> SamplingParams:
+    """params (default: SamplingParams()) with the given fields set by name, validated as ever;
+    an unknown name is a ConfigError that lists the valid ones."""
+    names = [field.name for field in dataclasses.fields(SamplingParams)]
+    unknown = sorted(set(fields) - set(names))
+    if unknown:
+        raise ConfigError(f"unknown sampling setting {', '.join(map(repr, unknown))}: use {', '.join(names)} "
+                          "(or pass a SamplingParams).")
+    return dataclasses.replace(params or SamplingParams(), **fields) if fields else params or SamplingParams()
 
 
 # Most draft tokens per step, per drafter, when not given. With the adaptive draft length

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from draftwise.config import SamplingParams
+from draftwise.config import SamplingParams, with_sampling
 from draftwise.controller import BatchController
 from draftwise.draft_length import DraftLengthPolicy
 from draftwise.drafters.base import Draft, Drafter, empty_draft
@@ -91,6 +91,10 @@ class Engine:
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a raw prompt, or of chat messages rendered by the model's chat template."""
+        is_chat = isinstance(prompt, (list, tuple)) and all(isinstance(message, dict) for message in prompt)
+        if not isinstance(prompt, str) and not is_chat:
+            raise PromptError("a prompt is a string or a list of chat messages ({'role': ..., 'content': ...}), "
+                              f"not {type(prompt).__name__} {str(prompt)[:40]!r}.")
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise PromptError("the prompt is empty: give some text to continue.")
@@ -102,17 +106,22 @@ class Engine:
         rendered = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
         return list(self.tokenizer.encode(rendered, add_special_tokens=False))
 
-    def generate(self, prompt: Prompt, params: SamplingParams | None = None) -> GenerationResult:
-        for update in self.stream(prompt, params):
+    def generate(self, prompt: Prompt, params: SamplingParams | None = None, **sampling) -> GenerationResult:
+        """Generate for one prompt. Sampling settings come as params, or as its fields by name
+        (engine.generate(prompt, max_new_tokens=64, temperature=0.7, seed=1)), or both: the names
+        then override params' fields."""
+        for update in self.stream(prompt, params, **sampling):
             if update.result is not None:
                 return update.result
         raise AssertionError("stream() ended without a result")
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[StreamUpdate]:
-        """Generate, yielding text deltas as they become final; the last update has the result."""
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None, **sampling) -> Iterator[StreamUpdate]:
+        """Generate, yielding text deltas as they become final; the last update has the result.
+        Settings as generate's."""
+        params = with_sampling(params, sampling)
         if self.draft_length is not None:
             self.draft_length.begin_request()
-        seq = self.start(self.encode(prompt), params or SamplingParams(), self.drafter, self.draft_length)
+        seq = self.start(self.encode(prompt), params, self.drafter, self.draft_length)
         while not seq.finished:
             run_step(self.target.model, [seq], self.controller, self.hidden_layers, self.prefill_chunk)
             delta = "" if seq.finished else seq.text.delta()  # the final update carries the rest

@@ -70,6 +70,31 @@ def test_empty_prompt_is_refused(smollm2, prompt):
         Engine(smollm2).generate(prompt)
 
 
+
+@pytest.mark.parametrize("prompt", [123, None, [1, 2], "not a list".encode()])
+def test_a_prompt_that_is_neither_text_nor_chat_messages_is_refused_by_name(smollm2, prompt):
+    """An int once reached the tokenizer as "'int' object is not iterable"."""
+    with pytest.raises(PromptError, match=f"a prompt is a string or a list of chat messages .* not {type(prompt).__name__}"):
+        Engine(smollm2).generate(prompt)
+
+
+def test_sampling_settings_can_be_given_by_name(smollm2):
+    """generate(prompt, max_new_tokens=...) as a user of other libraries would write it: the same
+    as passing SamplingParams, names overriding a given params' fields; an unknown name is refused."""
+    from draftwise.errors import ConfigError
+
+    engine = Engine(smollm2, NgramDrafter(), 5)
+    by_params = engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=7, temperature=0.8, seed=3))
+    by_name = engine.generate(PROMPTS[0], max_new_tokens=7, temperature=0.8, seed=3)
+    overridden = engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=40, temperature=0.8, seed=3), max_new_tokens=7)
+    assert by_name.token_ids == by_params.token_ids == overridden.token_ids and len(by_name.token_ids) == 7
+    streamed = "".join(update.delta for update in engine.stream(PROMPTS[0], max_new_tokens=7, temperature=0.8, seed=3))
+    assert streamed == by_params.text
+    with pytest.raises(ConfigError, match="unknown sampling setting 'max_tokens': use temperature"):
+        engine.generate(PROMPTS[0], max_tokens=7)
+    with pytest.raises(ConfigError, match="temperature=-1"):
+        engine.generate(PROMPTS[0], temperature=-1)
+
 @pytest.mark.parametrize("drafter", ["ngram", "model"])
 def test_sampling_with_top_k_one_reproduces_greedy_through_the_rejection_sampler(smollm2, drafters, drafter):
     # top_k=1 leaves a point mass on the argmax, so sampling must give the greedy tokens: this
