@@ -20,7 +20,7 @@ KV_CACHES = {"auto": None, "float32": torch.float32, "bf16": torch.bfloat16}
 def check_kv_cache(kv_cache: str) -> None:
     """A ConfigError naming the choices for a --kv-cache that is not one."""
     if kv_cache not in KV_CACHES:
-        raise ConfigError(f"--kv-cache {kv_cache!r} is not one of {', '.join(KV_CACHES)}")
+        raise ConfigError(f"kv_cache={kv_cache!r} is not supported: use one of {', '.join(KV_CACHES)}.")
 
 
 def cache_dtype(kv_cache: str, activations: str) -> torch.dtype:

@@ -189,7 +189,7 @@ def test_the_kv_cache_is_bfloat16_where_the_activations_are_rounded_unless_told(
     assert smollm2_dense.kv_cache == "float32" and smollm2_dense.model.new_cache(4).values.dtype == torch.float32
     told = loading.load("smollm2-135m", progress=False, activations="float32", kv_cache="bf16")
     assert told.kv_cache == "bf16" and told.model.truncated(3).new_cache(4).keys.dtype == torch.bfloat16
-    with pytest.raises(ConfigError, match="--kv-cache 'fp8' is not one of auto, float32, bf16"):
+    with pytest.raises(ConfigError, match="kv_cache='fp8' is not supported: use one of auto, float32, bf16"):
         loading.load("smollm2-135m", progress=False, kv_cache="fp8")
 
 

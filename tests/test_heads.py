@@ -155,6 +155,7 @@ def test_no_shipped_head_for_a_target_names_the_training_command():
 
 
 @pytest.mark.parametrize("drafter, head, message", [
+    ("egale", None, "unknown drafter 'egale': choose one of"),
     ("eagle", None, "no eagle head is shipped for qwen2.5-coder-0.5b"),
     ("medusa", None, "no medusa head is shipped for qwen2.5-coder-0.5b"),
     ("eagle", "missing", "is not a draft head"),

@@ -107,6 +107,7 @@ CHECKS_BEFORE_LOADING: dict[str, Callable[[SpecConfig, str], None]] = {
 
 def check_before_loading(spec: SpecConfig, model: str) -> None:
     """Refuse, before the target loads, what the drafter's factory would refuse after it."""
+    _factory(spec.drafter)
     check = CHECKS_BEFORE_LOADING.get(spec.drafter)
     if check is not None:
         check(spec, model)
@@ -123,11 +124,15 @@ DRAFTERS: dict[str, Callable[[SpecConfig, LoadedModel, str, bool], Drafter] | No
 }
 
 
-def build_drafter(spec: SpecConfig, target: LoadedModel, dtype: str = "auto", progress: bool = True) -> Drafter | None:
+def _factory(name: str) -> Callable[[SpecConfig, LoadedModel, str, bool], Drafter] | None:
     try:
-        factory = DRAFTERS[spec.drafter]
+        return DRAFTERS[name]
     except KeyError:
-        raise ConfigError(f"unknown drafter {spec.drafter!r}: choose one of {', '.join(DRAFTERS)}.") from None
+        raise ConfigError(f"unknown drafter {name!r}: choose one of {', '.join(DRAFTERS)}.") from None
+
+
+def build_drafter(spec: SpecConfig, target: LoadedModel, dtype: str = "auto", progress: bool = True) -> Drafter | None:
+    factory = _factory(spec.drafter)
     return None if factory is None else factory(spec, target, dtype, progress)
 
 
