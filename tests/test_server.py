@@ -220,6 +220,13 @@ BAD_INPUTS = [
     ("bad speculative", {"messages": [{"role": "user", "content": "hi"}], "speculative": {"num_draft_tokens": -1}}, {},
      400, "num_draft_tokens"),
     ("logprobs", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, {}, 400, "logprobs"),
+    # fields that would change the answer, not implemented: refused by name, never ignored
+    ("frequency_penalty", {"messages": [{"role": "user", "content": "hi"}], "frequency_penalty": 1.0}, {}, 400,
+     "frequency_penalty is not supported"),
+    ("JSON mode", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, {},
+     400, "response_format is not supported"),
+    ("tools", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, {}, 400,
+     "tools is not supported"),
     # a seed the random generator cannot take: once a 500-less hang (it killed the batch loop)
     ("seed beyond 64 bits", {"messages": [{"role": "user", "content": "hi"}], "seed": 2**64}, {}, 400, "seed"),
 ]
@@ -234,6 +241,27 @@ def test_bad_input_gets_a_clear_4xx_in_openai_format(server, name, body, headers
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert words in error["message"]
+
+
+def test_unimplemented_fields_at_their_neutral_values_are_accepted(server):
+    """Clients that send OpenAI's defaults explicitly (penalties 0, text format, no bias) are served;
+    only values that would change the answer are refused (above), and best_of > 1 on completions."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    neutral = {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "response_format": {"type": "text"},
+               "tools": [], "top_logprobs": 0, "max_tokens": 3, "temperature": 0}
+    response = httpx.post(server.url + "/v1/chat/completions", headers=headers, timeout=60,
+                          json={"messages": [{"role": "user", "content": "hi"}], **neutral})
+    assert response.status_code == 200, response.text
+    response = httpx.post(server.url + "/v1/completions", headers=headers, timeout=60,
+                          json={"prompt": "Once", "best_of": 1, "suffix": "", **neutral})
+    assert response.status_code == 200, response.text
+    response = httpx.post(server.url + "/v1/completions", headers=headers, timeout=60,
+                          json={"prompt": "Once", "best_of": 2, "max_tokens": 3})
+    assert response.status_code == 400 and "best_of is not supported" in response.json()["error"]["message"]
+    assert response.json()["error"]["param"] == "best_of"
+    response = httpx.post(server.url + "/v1/completions", headers=headers, timeout=60,
+                          json={"prompt": "Once", "presence_penalty": 0.5, "max_tokens": 3})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "presence_penalty"
 
 
 def test_a_completion_prompt_beyond_the_context_names_both_numbers(server):

@@ -16,6 +16,21 @@ from draftwise.config import SamplingParams
 from draftwise.metrics import RequestMetrics
 
 MAX_STOP_STRINGS = 16
+# OpenAI request fields that change the answer and draftwise does not implement: accepted at
+# their neutral values only, since ignoring e.g. frequency_penalty=1.0 would answer another
+# request than the one sent (a 400 names the field instead). Unknown fields are still ignored.
+NEUTRAL_ONLY = {
+    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
+    "logit_bias": (None, {}), "top_logprobs": (None, 0), "response_format": (None, {"type": "text"}),
+    "tools": (None, []), "functions": (None, []), "best_of": (None, 1), "suffix": (None, ""),
+}
+
+
+def _neutral(name: str, value):
+    if value not in NEUTRAL_ONLY[name]:
+        raise ValueError(f"{name} is not supported by draftwise (got {value!r}): leave it unset; the output would "
+                         "otherwise not be what the request asks for")
+    return value
 
 
 class SpeculativeOptions(BaseModel):
@@ -45,6 +60,14 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1)
     logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: dict | None = None
+    tools: list | None = None
+    functions: list | None = None
     speculative: SpeculativeOptions | Literal["off"] | None = None
     # "coupled": the text depends on the seed alone, never on the batch or the drafts
     # (draftwise.sampling); "rejection": rejection sampling. None: the server's default.
@@ -56,6 +79,12 @@ class SamplingFields(BaseModel):
         if n != 1:
             raise ValueError("n > 1 is not supported: send n separate requests (each may carry its own seed)")
         return n
+
+    @field_validator("top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+                     "response_format", "tools", "functions")
+    @classmethod
+    def _only_neutral(cls, value, info):
+        return _neutral(info.field_name, value)
 
     @field_validator("logprobs")
     @classmethod
@@ -121,6 +150,13 @@ class ChatCompletionRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     prompt: str | list[str]
     echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("best_of", "suffix")
+    @classmethod
+    def _only_neutral_here(cls, value, info):  # another name: the same one would replace the fields' above
+        return _neutral(info.field_name, value)
 
     @field_validator("prompt")
     @classmethod
