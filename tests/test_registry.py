@@ -162,3 +162,27 @@ def test_a_draft_model_that_cannot_be_found_is_refused_before_the_target_loads(m
     with pytest.raises(ModelNotFoundError, match=message):
         draftwise.load("smollm2-135m", drafter=drafter, draft_model=draft_model, progress=False)
     assert loading.check_findable("some-org/some-model") is None  # a hub id: taken on trust until downloaded
+
+
+def test_models_list_says_what_each_model_takes_and_remove_frees_it(monkeypatch, tmp_path, capsys):
+    """5.8 GB of models had gathered in this machine's cache with no way to see or free them
+    from draftwise; a removed model is fetched again on its next use."""
+    from draftwise.cli import main
+    from draftwise.models import registry
+
+    monkeypatch.setenv("DRAFTWISE_CACHE", str(tmp_path))
+    gguf = registry.gguf_path("smollm2-135m")
+    (gguf.parent / "hf").mkdir(parents=True)
+    gguf.write_bytes(b"\0" * 3_000_000)
+    (gguf.parent / "hf" / "model.safetensors").write_bytes(b"\0" * 2_000_000)
+    assert registry.disk_bytes("smollm2-135m") == 5_000_000 and registry.disk_bytes("gemma3-270m") == 0
+    assert main(["models", "list"]) == 0
+    listing = capsys.readouterr().out
+    assert "fetched, 5 MB" in listing and "models 5 MB" in listing and "not fetched" in listing
+    assert main(["models", "remove", "smollm2-135m"]) == 0
+    assert "removed smollm2-135m: 5 MB freed" in capsys.readouterr().out
+    assert not gguf.parent.exists() and not registry.is_fetched("smollm2-135m")
+    assert main(["models", "remove", "smollm2-135m"]) == 0
+    assert "was not in the cache" in capsys.readouterr().out
+    assert main(["models", "remove", "/some/folder"]) == 2
+    assert "packaged models only" in capsys.readouterr().err

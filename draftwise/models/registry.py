@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -99,6 +100,28 @@ def get_packaged(name: str) -> PackagedModel:
 
 def is_fetched(name: str) -> bool:
     return gguf_path(name).is_file()
+
+
+def disk_bytes(name: str) -> int:
+    """What a packaged model takes in the cache: its GGUF file and what was made from it (its
+    config and tokenizer, and float weights dequantised for --dtype float32 or transformers)."""
+    folder = gguf_path(name).parent
+    return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file()) if folder.is_dir() else 0
+
+
+def remove(name: str) -> int:
+    """Delete a packaged model's cache folder, under its fetch lock (never half a fetch); return
+    the bytes freed. A later use fetches it again; a process that has the model loaded keeps
+    running on the open file."""
+    if name not in PACKAGED_MODELS:
+        raise ModelNotFoundError(f"unknown model {name!r}: the cache holds packaged models only "
+                                 f"({', '.join(PACKAGED_MODELS)}); a local file or folder is yours to delete.")
+    folder = gguf_path(name).parent
+    with exclusive(gguf_path(name)):
+        freed = disk_bytes(name)
+        if folder.is_dir():
+            shutil.rmtree(folder)
+    return freed
 
 
 @contextlib.contextmanager
