@@ -413,6 +413,11 @@ def torch_threads(count: int) -> None:
         raise ConfigError(f"--threads {count}: give at least 1.")
     import torch
 
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or count
+    if count > cores:  # threads beyond the cores take turns on them, inside every product
+        print(f"draftwise: warning: --threads {count} is more than the {cores} CPUs this process may use; the extra "
+              f"threads wait on each other in every product (SmolLM2: 64 threads on 2 cores decoded ~6x slower). "
+              f"Use --threads {cores} or leave it out.", file=sys.stderr)
     torch.set_num_threads(count)
 
 

@@ -239,3 +239,19 @@ def test_bench_refuses_an_unusable_report_folder_before_running_anything(capsys,
     with pytest.raises(AssertionError, match="bench ran"):  # a usable folder: the bench goes on (to the stub)
         main(["bench", "--out", str(tmp_path / "reports"), "--quick"])
     assert (tmp_path / "reports").is_dir()
+
+
+def test_more_threads_than_cpus_is_warned_about(monkeypatch, capsys):
+    """64 threads on 2 cores decoded SmolLM2 ~6x slower, silently; now with a warning naming the
+    count to use (the setting is still the user's)."""
+    import torch
+
+    from draftwise import cli
+
+    set_to = []
+    monkeypatch.setattr(torch, "set_num_threads", set_to.append)
+    monkeypatch.setattr(cli.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    cli.torch_threads(64)
+    assert "--threads 64 is more than the 2 CPUs" in capsys.readouterr().err and set_to == [64]
+    cli.torch_threads(2)
+    assert capsys.readouterr().err == "" and set_to == [64, 2]
