@@ -243,6 +243,8 @@ def _bench(args) -> int:
     from draftwise.bench.suite import default_prompt_dir, load_suite
     from draftwise.output import make_output_folder
 
+    if args.threads is not None:
+        torch_threads(args.threads)  # its checks and warning; BenchConfig sets it for every method too
     quick = {"per_category": 1, "max_new_tokens": 32, "repeats": 1, "quantize": ()} if args.quick else {}
     quantize = tuple(name for name in args.quantize.split(",") if name and name != "none")
     config = BenchConfig(model=args.model, draft_model=args.draft_model, dtype=args.dtype, activations=args.activations,
