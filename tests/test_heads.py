@@ -153,7 +153,6 @@ def test_no_shipped_head_for_a_target_names_the_training_command():
         head_for("qwen2.5-coder-1.5b", "medusa")
 
 
-
 @pytest.mark.parametrize("drafter, head, message", [
     ("egale", None, "unknown drafter 'egale': choose one of"),
     ("eagle", None, "no eagle head is shipped for qwen2.5-coder-0.5b"),
@@ -182,6 +181,7 @@ def test_a_wrong_or_missing_head_is_refused_before_the_target_loads(monkeypatch,
     if head is not None:
         with pytest.raises(AssertionError, match="target loaded"):
             draftwise.load(model, drafter=drafter, head=str(SHIPPED / model / drafter), progress=False)
+
 
 def test_a_head_stored_in_q8_0_blocks_drafts_exactly_as_its_bfloat16_file(smollm2, plain_outputs, tmp_path):
     """Q8_0 is what the drafter multiplies by anyway (compact_copy): a file in Q8_0 blocks is half

@@ -543,7 +543,6 @@ def test_the_first_builds_message_says_how_long_it_takes_on_this_cpu(monkeypatch
         assert "about 2 minutes" in message and "AVX2" not in message
 
 
-
 def test_a_new_build_removes_the_builds_nobody_loaded_for_a_month(monkeypatch, tmp_path):
     """Every upgrade, torch version or checkout makes its own build; a new one clears the others
     unused for STALE_AFTER_DAYS (by their last load, not their age), and nothing else."""
@@ -615,6 +614,7 @@ def test_loading_a_build_stamps_it_as_used(monkeypatch, tmp_path):
     monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: "loaded")
     assert kernels_module._build(progress=False) == "loaded"
     assert time.time() - kernels_module._last_used(folder) < 60
+
 
 @pytest.mark.parametrize("compiler", [("gcc", "12.2.0"), ("gcc", "13.3.0"), ("clang", "14.0.6"), ("", "")])
 def test_no_compiler_fuses_products_and_sums_by_itself_and_each_compiler_has_its_own_build(monkeypatch, compiler):

@@ -115,19 +115,14 @@ def _last_used(build_dir: Path) -> float:
     return max((path.stat().st_mtime for path in paths if path.exists()), default=0.0)
 
 
-def _remove_stale_builds(keep: Path) -> list[Path]:
+def _remove_stale_builds(keep: Path) -> None:
     """Remove the other kernel builds beside `keep` that no process has loaded for
     STALE_AFTER_DAYS (called after a new build: the old ones are then usually an earlier
-    draftwise's or torch's). Only folders named as builds are touched; returns what went."""
+    draftwise's or torch's). Only folders named as builds are touched."""
     cutoff = time.time() - STALE_AFTER_DAYS * 86400
-    removed = []
-    for other in sorted(keep.parent.glob("draftwise_kernels-*")):
-        if other == keep or not other.is_dir() or _last_used(other) >= cutoff:
-            continue
-        shutil.rmtree(other, ignore_errors=True)
-        if not other.exists():
-            removed.append(other)
-    return removed
+    for other in keep.parent.glob("draftwise_kernels-*"):
+        if other != keep and other.is_dir() and _last_used(other) < cutoff:
+            shutil.rmtree(other, ignore_errors=True)
 
 
 def builds_portable_code() -> bool:

@@ -60,9 +60,7 @@ def gguf_source(spec: str) -> Path | None:
     if spec in registry.PACKAGED_MODELS:
         return registry.gguf_path(spec) if registry.is_fetched(spec) else None
     path = Path(spec).expanduser()
-    if path.suffix == ".gguf" and path.is_file():
-        return path
-    ggufs = sorted(path.glob("*.gguf")) if path.is_dir() and not _is_hf_folder(path) else []
+    ggufs = [] if _is_hf_folder(path) else _ggufs(path)
     return ggufs[0] if len(ggufs) == 1 else None
 
 
@@ -94,7 +92,10 @@ def check_findable(spec: str, auto_fetch: bool = False, weights: bool = False) -
 
 
 def _ggufs(path: Path) -> list[Path]:
-    return [path] if path.suffix == ".gguf" else sorted(path.glob("*.gguf")) if path.is_dir() else []
+    """The GGUF files path stands for: itself, or those in the folder it names."""
+    if path.suffix == ".gguf" and path.is_file():
+        return [path]
+    return sorted(path.glob("*.gguf")) if path.is_dir() else []
 
 
 def resolve(spec: str, auto_fetch: bool = False, progress: bool = True, weights: bool = True) -> Path:

@@ -116,11 +116,11 @@ def remove(name: str) -> int:
     if name not in PACKAGED_MODELS:
         raise ModelNotFoundError(f"unknown model {name!r}: the cache holds packaged models only "
                                  f"({', '.join(PACKAGED_MODELS)}); a local file or folder is yours to delete.")
-    folder = gguf_path(name).parent
-    with exclusive(gguf_path(name)):
+    target = gguf_path(name)
+    with exclusive(target):
         freed = disk_bytes(name)
-        if folder.is_dir():
-            shutil.rmtree(folder)
+        if target.parent.is_dir():
+            shutil.rmtree(target.parent)
     return freed
 
 

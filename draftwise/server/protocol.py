@@ -20,8 +20,9 @@ MAX_STOP_STRINGS = 16
 # their neutral values only, since ignoring e.g. frequency_penalty=1.0 would answer another
 # request than the one sent (a 400 names the field instead). Unknown fields are still ignored.
 NEUTRAL_ONLY = {
+    "logprobs": (None, 0), "top_logprobs": (None, 0),  # logprobs=false passes: False == 0
     "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
-    "logit_bias": (None, {}), "top_logprobs": (None, 0), "response_format": (None, {"type": "text"}),
+    "logit_bias": (None, {}), "response_format": (None, {"type": "text"}),
     "tools": (None, []), "functions": (None, []), "best_of": (None, 1), "suffix": (None, ""),
 }
 
@@ -80,18 +81,11 @@ class SamplingFields(BaseModel):
             raise ValueError("n > 1 is not supported: send n separate requests (each may carry its own seed)")
         return n
 
-    @field_validator("top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-                     "response_format", "tools", "functions")
+    @field_validator("logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                     "logit_bias", "response_format", "tools", "functions")
     @classmethod
     def _only_neutral(cls, value, info):
         return _neutral(info.field_name, value)
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, logprobs):
-        if logprobs not in (None, False, 0):
-            raise ValueError("logprobs are not supported yet: leave logprobs unset")
-        return logprobs
 
     @field_validator("stop")
     @classmethod
