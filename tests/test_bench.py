@@ -159,3 +159,23 @@ def test_unknown_quantization_is_refused_before_loading():
 def test_an_unknown_transformers_dtype_is_refused_naming_the_choices():
     with pytest.raises(ConfigError, match="float16.*bfloat16"):
         BenchConfig(transformers_dtype="float16")
+
+
+def test_a_heads_folder_without_the_heads_the_run_needs_is_refused_before_loading(tmp_path):
+    import shutil
+
+    import draftwise.heads
+
+    shipped = draftwise.heads.__path__[0] + "/shipped/smollm2-135m"
+    with pytest.raises(ConfigError, match="has no eagle/ or medusa/"):
+        BenchConfig(heads=str(tmp_path / "missing"))
+    shutil.copytree(f"{shipped}/eagle", tmp_path / "eagle")
+    BenchConfig(heads=str(tmp_path))  # every drafter: the rows whose head is there
+    BenchConfig(heads=str(tmp_path), drafters=("eagle",))
+    with pytest.raises(ConfigError, match="has no medusa/"):
+        BenchConfig(heads=str(tmp_path), drafters=("eagle", "medusa"))
+    with pytest.raises(ConfigError, match="no head drafter runs"):
+        BenchConfig(heads=str(tmp_path), drafters=("ngram",))
+    shutil.copytree(f"{shipped}/eagle", tmp_path / "medusa")  # an eagle head where medusa's belongs
+    with pytest.raises(ConfigError, match="a head for --drafter eagle, not --drafter medusa"):
+        BenchConfig(heads=str(tmp_path))

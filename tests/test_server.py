@@ -114,7 +114,9 @@ def test_openai_client_chat_and_completions_equal_draftwise_generate(server, cli
     assert completion.choices[0].text == reference
     stream = client.completions.create(model="smollm2-135m", prompt=text_prompt, max_tokens=32, temperature=0, stream=True)
     assert "".join(c.choices[0].text for c in stream if c.choices) == reference
-    assert [m.id for m in client.models.list()] == ["smollm2-135m"]
+    models = list(client.models.list())
+    assert [m.id for m in models] == ["smollm2-135m"]
+    assert 0 < time.time() - models[0].created < 3600  # when the server took the model up, not 1970
 
 
 def _jobs():

@@ -15,7 +15,7 @@ from draftwise.bench.methods import DraftwiseMethod, LlamaCppMethod, Method, Tra
 from draftwise.bench.suite import BenchPrompt
 from draftwise.config import SpecConfig
 from draftwise import engine_for
-from draftwise.drafters import DRAFTERS, build_drafter
+from draftwise.drafters import DRAFTERS, build_drafter, check_before_loading
 from draftwise.engine import Engine
 from draftwise.errors import ConfigError
 from draftwise.kv_cache import check_kv_cache
@@ -27,6 +27,7 @@ PLAIN = "draftwise plain"  # float weights, plain greedy: the reference of every
 TRANSFORMERS_PROMPT_LOOKUP = "transformers prompt lookup"
 TRANSFORMERS_UNIVERSAL_ASSISTED = "transformers universal assisted"
 LLAMA_CPP_PLAIN = "llama.cpp plain"
+HEAD_DRAFTERS = ("eagle", "medusa")  # the drafters --heads gives a head
 LLAMA_CPP_INSTALL = ("pip install llama-cpp-python, or the extra '.[llamacpp]' (optional; it compiles llama.cpp, about 5 minutes on "
                      "2 cores; see the README for the build flags this machine needs)")
 
@@ -73,6 +74,27 @@ class BenchConfig:
             raise ConfigError(f"unknown drafters {', '.join(unknown)}: choose from {', '.join(DRAFTERS)}.")
         for method in self.cross_vocab_methods:
             SpecConfig(drafter="cross-vocab", draft_model="any", cross_vocab_method=method)  # validates the name
+        if self.heads is not None:
+            self._check_heads()
+
+    def _check_heads(self) -> None:
+        """--heads holds a head for each head drafter the run names (for every drafter, the
+        default: for at least one), each a head of its kind: said now, not after the target has
+        loaded and the other rows have run."""
+        running = [name for name in HEAD_DRAFTERS if name in (self.drafters or DRAFTERS)]
+        if not running:
+            raise ConfigError(f"--heads {self.heads}: no head drafter runs; add eagle or medusa to --drafters, "
+                              "or leave --heads out.")
+        folder = Path(self.heads)
+        found = [name for name in running if (folder / name).is_dir()]
+        required = running if self.drafters else found or running
+        missing = [name for name in required if name not in found]
+        if missing:
+            raise ConfigError(f"--heads {folder} has no {' or '.join(f'{name}/' for name in missing)}: give the "
+                              "--out folder of `draftwise train` (it writes OUT/eagle and OUT/medusa), or leave "
+                              "--heads out to use the heads shipped for --model.")
+        for name in found:
+            check_before_loading(SpecConfig(drafter=name, head=str(folder / name)), self.model)
 
 
 def build_methods(config: BenchConfig, progress: bool = True) -> tuple[list[Method], list[str]]:
@@ -133,7 +155,7 @@ def _draftwise_methods(target: LoadedModel, config: BenchConfig, label: str, dra
 
 def _head_folder(heads: str | None, drafter: str) -> str | None:
     """The head a head drafter reads from a `draftwise train` output folder (None: shipped)."""
-    if heads is None or drafter not in ("eagle", "medusa"):
+    if heads is None or drafter not in HEAD_DRAFTERS:
         return None
     return str(Path(heads) / drafter)
 

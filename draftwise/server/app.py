@@ -63,6 +63,7 @@ def create_app(engine: Engine, scheduler: Scheduler, settings: ServerSettings = 
     metrics = metrics or ServerMetrics()
     metrics.max_batch.set(scheduler.max_batch)
     served = engine.target.model.info.name
+    loaded_at = int(time.time())  # /v1/models' `created`: when this server took the model up
     max_context = engine.target.model.info.max_context
     app = FastAPI(title="draftwise", version="0.1.0",
                   description="OpenAI-compatible API with lossless speculative decoding.")
@@ -130,7 +131,7 @@ def create_app(engine: Engine, scheduler: Scheduler, settings: ServerSettings = 
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": served, "object": "model", "created": 0, "owned_by": "draftwise"}]}
+        return {"object": "list", "data": [{"id": served, "object": "model", "created": loaded_at, "owned_by": "draftwise"}]}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: HTTPRequest):
