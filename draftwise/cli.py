@@ -378,8 +378,9 @@ def _add_models(subparsers) -> None:
     fetch.add_argument("name")
     fetch.set_defaults(handler=_models_fetch)
     remove = actions.add_parser("remove", help="delete a packaged model from the cache (its file and what was made "
-                                               "from it); a later use fetches it again")
-    remove.add_argument("name")
+                                               "from it; a later use fetches it again), or with 'converted' what "
+                                               "was made from local GGUF files")
+    remove.add_argument("name", help="a packaged model's name, or 'converted'")
     remove.set_defaults(handler=_models_remove)
 
 
@@ -434,8 +435,15 @@ def _models_list(args) -> int:
             f"not fetched ({model.size_mb} MB)"
         default = " [default]" if model.name == registry.DEFAULT_MODEL else ""
         print(f"{model.name:<22} {state:<24} {model.description}{default}")
+    converted = registry.converted_folders()
+    if converted:
+        used = sum(registry.folder_bytes(folder) for folder in converted)
+        total += used
+        files = f"{len(converted)} local GGUF file" + ("s" if len(converted) > 1 else "")
+        print(f"{registry.CONVERTED:<22} {_megabytes(used):<24} config, tokenizer and float weights made from {files} "
+              "(made again when next needed)")
     print(f"\ncache: {registry.cache_root()}, models {_megabytes(total)}  (set DRAFTWISE_CACHE to move it; "
-          "`draftwise models remove NAME` frees a model's space)")
+          f"`draftwise models remove NAME` frees a model's space, `remove {registry.CONVERTED}` the converted ones)")
     return 0
 
 

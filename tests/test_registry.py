@@ -185,4 +185,25 @@ def test_models_list_says_what_each_model_takes_and_remove_frees_it(monkeypatch,
     assert main(["models", "remove", "smollm2-135m"]) == 0
     assert "was not in the cache" in capsys.readouterr().out
     assert main(["models", "remove", "/some/folder"]) == 2
-    assert "packaged models only" in capsys.readouterr().err
+    assert "a local file or folder is yours to delete" in capsys.readouterr().err
+
+
+def test_what_was_made_from_a_local_gguf_file_is_listed_and_removed(smollm2, monkeypatch, tmp_path, capsys):
+    """A local .gguf's config and tokenizer (and float weights, for --dtype float32) land under
+    the cache's converted/, which `models list` did not show and `models remove` could not free."""
+    from draftwise.cli import main
+    from draftwise.models import loading, registry
+
+    local = registry.gguf_path("smollm2-135m")  # the real cache's file, used as a local file
+    monkeypatch.setenv("DRAFTWISE_CACHE", str(tmp_path))
+    folder = loading.resolve(str(local), weights=False)
+    assert folder.parent == tmp_path / registry.CONVERTED and registry.converted_folders() == [folder]
+    made = registry.folder_bytes(folder)
+    assert made > 1_000_000  # SmolLM2's tokenizer.json alone is ~2 MB
+    assert main(["models", "list"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith(registry.CONVERTED))
+    assert "1 local GGUF file" in line and f"{made / 1e6:,.0f} MB" in line
+    assert main(["models", "remove", registry.CONVERTED]) == 0
+    assert f"{made / 1e6:,.0f} MB freed" in capsys.readouterr().out
+    assert registry.converted_folders() == [] and not folder.exists()
+    assert loading.resolve(str(local), weights=False) == folder  # made again on its next use

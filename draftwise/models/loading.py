@@ -286,7 +286,7 @@ def _converted_folder_for(gguf_file: Path) -> Path:
     stat = gguf_file.resolve().stat()
     key = f"{gguf_file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return registry.cache_root() / "converted" / f"{gguf_file.stem}-{digest}"
+    return registry.cache_root() / registry.CONVERTED / f"{gguf_file.stem}-{digest}"
 
 
 def _is_hf_folder(path: Path) -> bool:

@@ -79,6 +79,9 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
 DEFAULT_MODEL = "smollm2-135m"
 
 
+CONVERTED = "converted"  # `draftwise models remove`'s name for everything made from local GGUF files
+
+
 def cache_root() -> Path:
     """Where fetched and converted models live: $DRAFTWISE_CACHE or ~/.cache/draftwise."""
     return Path(os.environ.get("DRAFTWISE_CACHE", Path.home() / ".cache" / "draftwise"))
@@ -105,22 +108,42 @@ def is_fetched(name: str) -> bool:
 def disk_bytes(name: str) -> int:
     """What a packaged model takes in the cache: its GGUF file and what was made from it (its
     config and tokenizer, and float weights dequantised for --dtype float32 or transformers)."""
-    folder = gguf_path(name).parent
+    return folder_bytes(gguf_path(name).parent)
+
+
+def converted_folders() -> list[Path]:
+    """What was made from local GGUF files (a config and tokenizer, and float weights where
+    --dtype float32 or transformers needed them): a folder per version of a file, made again
+    from the file when next needed."""
+    root = cache_root() / CONVERTED
+    return sorted(path for path in root.iterdir() if path.is_dir()) if root.is_dir() else []
+
+
+def folder_bytes(folder: Path) -> int:
     return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file()) if folder.is_dir() else 0
 
 
 def remove(name: str) -> int:
-    """Delete a packaged model's cache folder, under its fetch lock (never half a fetch); return
-    the bytes freed. A later use fetches it again; a process that has the model loaded keeps
-    running on the open file."""
+    """Delete a packaged model's cache folder, or with CONVERTED every folder made from a local
+    GGUF file, each under its lock (never half a fetch or a conversion); return the bytes freed.
+    A later use fetches or converts again; a process that has the model loaded keeps running on
+    the open files."""
+    if name == CONVERTED:
+        return sum(_remove_folder(folder, folder) for folder in converted_folders())
     if name not in PACKAGED_MODELS:
-        raise ModelNotFoundError(f"unknown model {name!r}: the cache holds packaged models only "
-                                 f"({', '.join(PACKAGED_MODELS)}); a local file or folder is yours to delete.")
+        raise ModelNotFoundError(f"unknown model {name!r}: the cache holds packaged models ({', '.join(PACKAGED_MODELS)}) "
+                                 f"and what was made from local GGUF files ({CONVERTED!r}); a local file or folder is "
+                                 "yours to delete.")
     target = gguf_path(name)
-    with exclusive(target):
-        freed = disk_bytes(name)
-        if target.parent.is_dir():
-            shutil.rmtree(target.parent)
+    return _remove_folder(target.parent, target)
+
+
+def _remove_folder(folder: Path, lock: Path) -> int:
+    """rmtree(folder) under the lock its writers hold on `lock`; the bytes freed."""
+    with exclusive(lock):
+        freed = folder_bytes(folder)
+        if folder.is_dir():
+            shutil.rmtree(folder)
     return freed
 
 
