@@ -6,9 +6,13 @@ from __future__ import annotations
 import contextlib
 import io
 import re
+import shlex
 from pathlib import Path
 
+import pytest
+
 import draftwise
+from draftwise.cli import build_parser
 from draftwise.server import ServerThread
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -66,3 +70,55 @@ def test_the_openai_client_example_runs_against_draftwise_serve():
     content = namespace["reply"].choices[0].message.content
     assert content and content in printed
     assert "mean_accepted_length" in printed  # usage.speculative, then the streamed haiku and its usage
+
+
+def command_lines() -> list[str]:
+    """Every `draftwise ...` command the README shows: in its bash blocks (continuations joined,
+    comments and `&&`-chained commands split off) and inline in its text, with a table cell's
+    escaped alternatives (`a\\|b`) each taken."""
+    text = README.read_text()
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            for part in line.split("&&"):
+                part = re.sub(r"\s#.*$", "", part).strip()
+                if part.startswith("draftwise "):
+                    commands.append(part)
+    for inline in re.findall(r"`(draftwise [^`]+)`", text.replace("\n", " ")):
+        first, *others = inline.split("\\|")
+        commands.append(first)
+        commands += [first.rsplit(" ", 1)[0] + " " + other.split(" ", 1)[0] for other in others]
+    return commands
+
+
+@pytest.mark.parametrize("command", command_lines())
+def test_every_command_the_readme_shows_names_real_flags_and_choices(command):
+    """A renamed flag or choice leaves the README's commands failing for whoever copies them. A
+    command named in prose without what it requires (`draftwise train --kind medusa`) is fine."""
+    errors = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(errors):
+            build_parser().parse_args(shlex.split(command)[1:])
+    except SystemExit:
+        message = errors.getvalue().strip().splitlines()[-1]
+        assert "arguments are required" in message or "expected one argument" in message, f"{command}\n{message}"
+
+
+def benchmark_lines() -> list[str]:
+    """Every `python benchmarks/...` command in the README's text and bash blocks."""
+    text = README.read_text()
+    blocks = " ".join(block.replace("\\\n", " ") for block in re.findall(r"```bash\n(.*?)```", text, re.S))
+    return sorted(set(re.findall(r"python (benchmarks/\S+\.py[^`\n]*)", blocks)
+                      + re.findall(r"`python (benchmarks/[^`]+)`", text.replace("\n", " "))))
+
+
+@pytest.mark.parametrize("command", benchmark_lines())
+def test_every_benchmark_command_the_readme_shows_names_a_script_and_its_flags(command):
+    """The benchmark scripts parse their flags only when run (minutes each): a flag the README
+    shows must at least be one the script declares."""
+    script, *arguments = shlex.split(re.sub(r"\s#.*$", "", command))
+    path = README.parent / script
+    assert path.is_file(), f"{script} does not exist"
+    source = path.read_text()
+    for flag in (argument for argument in arguments if re.fullmatch(r"--[a-z][a-z0-9-]*", argument)):
+        assert f'"{flag}"' in source, f"{script} declares no {flag}"
