@@ -1,4 +1,4 @@
-"""Command line: `draftwise generate`, `draftwise serve`, `draftwise bench`, `draftwise train`, `draftwise models list|fetch`.
+"""Command line: `draftwise generate`, `draftwise chat`, `draftwise serve`, `draftwise bench`, `draftwise train`, `draftwise models list|fetch`.
 
 Flags map one-to-one to SamplingParams / SpecConfig fields, in kebab-case.
 """
@@ -15,12 +15,35 @@ from draftwise.errors import DraftwiseError
 
 
 def _add_generate(subparsers) -> None:
-    from draftwise.config import SAMPLING_MODES, SamplingParams
-
     cmd = subparsers.add_parser("generate", help="generate text with speculative decoding",
                                 description="Generate text; prints the text, then one line of statistics on stderr.")
     cmd.add_argument("prompt", help="the prompt text, or - to read it from standard input")
     _add_engine_flags(cmd)
+    _add_sampling_flags(cmd, max_new_tokens=128)
+    cmd.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the model's chat template")
+    cmd.add_argument("--stream", action="store_true", help="print text as it is generated")
+    cmd.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, finish_reason, metrics")
+    cmd.add_argument("--quiet", action="store_true", help="no progress bars")
+    cmd.set_defaults(handler=_generate)
+
+
+def _add_chat(subparsers) -> None:
+    cmd = subparsers.add_parser("chat", help="a conversation in the terminal, replies streamed",
+                                description="Chat with a model: each line you type is a message, each reply is "
+                                            "streamed, then one line of statistics on stderr. /reset forgets the "
+                                            "conversation, /exit (or Ctrl-D) leaves, Ctrl-C stops a reply. Lines "
+                                            "piped in are taken as messages one by one.")
+    _add_engine_flags(cmd)
+    _add_sampling_flags(cmd, max_new_tokens=512)
+    cmd.add_argument("--system", help="a system message that opens the conversation")
+    cmd.add_argument("--quiet", action="store_true", help="no progress bars and no statistics lines")
+    cmd.set_defaults(handler=_chat)
+
+
+def _add_sampling_flags(cmd, max_new_tokens: int) -> None:
+    """The flags of SamplingParams, for `generate` and `chat`."""
+    from draftwise.config import SAMPLING_MODES, SamplingParams
+
     cmd.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     cmd.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off")
     cmd.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 = off")
@@ -29,14 +52,9 @@ def _add_generate(subparsers) -> None:
     cmd.add_argument("--sampling-mode", default=SamplingParams().sampling_mode, choices=list(SAMPLING_MODES),
                      help="rejection: rejection sampling; coupled: the text depends on the seed alone, whatever the "
                           f"drafter and draft lengths (default: {SamplingParams().sampling_mode})")
-    cmd.add_argument("--max-new-tokens", type=int, default=128)
+    cmd.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help=f"(default: {max_new_tokens})")
     cmd.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     cmd.add_argument("--threads", type=int, help="CPU threads (default: PyTorch's, one per core)")
-    cmd.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the model's chat template")
-    cmd.add_argument("--stream", action="store_true", help="print text as it is generated")
-    cmd.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, finish_reason, metrics")
-    cmd.add_argument("--quiet", action="store_true", help="no progress bars")
-    cmd.set_defaults(handler=_generate)
 
 
 def _add_engine_flags(cmd) -> None:
@@ -384,14 +402,27 @@ def _add_models(subparsers) -> None:
     remove.set_defaults(handler=_models_remove)
 
 
-def _generate(args) -> int:
+def _sampling_params(args):
     from draftwise.config import SamplingParams
 
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    params = SamplingParams(
+    return SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
         max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), sampling_mode=args.sampling_mode,
     )
+
+
+def _chat(args) -> int:
+    from draftwise import chat
+
+    params = _sampling_params(args)
+    engine = _load_engine(args)
+    return chat.run(engine, params, args.system, sys.stdin, sys.stdout, sys.stderr, interactive=sys.stdin.isatty(),
+                    stats=not args.quiet)
+
+
+def _generate(args) -> int:
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    params = _sampling_params(args)
     engine = _load_engine(args)
     request = [{"role": "user", "content": prompt}] if args.chat else prompt
     result = None
@@ -476,6 +507,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="draftwise", description="Lossless speculative decoding.")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_generate(subparsers)
+    _add_chat(subparsers)
     _add_serve(subparsers)
     _add_bench(subparsers)
     _add_train(subparsers)
