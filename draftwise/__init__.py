@@ -12,6 +12,7 @@ from draftwise.config import SamplingParams, SpecConfig
 from draftwise.drafters.base import Draft, Drafter
 from draftwise.engine import Engine, GenerationResult, StreamUpdate
 from draftwise.errors import DraftwiseError
+from draftwise.prefix_cache import PrefixCache
 from draftwise.models.registry import DEFAULT_MODEL
 
 __version__ = "0.1.0"
@@ -88,5 +89,5 @@ def engine_for(spec: SpecConfig, target, drafter) -> Engine:
     return Engine(target, drafter, spec.max_draft_tokens, policy)
 
 
-__all__ = ["DEFAULT_MODEL", "Draft", "Drafter", "DraftwiseError", "Engine", "GenerationResult", "SamplingParams", "SpecConfig",
+__all__ = ["DEFAULT_MODEL", "Draft", "Drafter", "DraftwiseError", "Engine", "GenerationResult", "PrefixCache", "SamplingParams", "SpecConfig",
            "StreamUpdate", "load"]

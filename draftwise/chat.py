@@ -1,8 +1,9 @@
 """`draftwise chat`: a conversation in the terminal, each reply streamed as it is decided.
 
 The history is a list of chat messages rendered by the model's chat template every turn, so
-each reply is exactly what `Engine.generate(messages)` gives for the conversation so far (the
-whole history is prefilled again each turn: no cache is kept between turns). A conversation
+each reply is exactly what `Engine.generate(messages)` gives for the conversation so far; with
+the engine's prefix cache (`--prefix-cache-mb`, on by default) a turn prefills only what the
+last turn's keys and values do not already hold: the new question. A conversation
 longer than the model's context loses its oldest exchanges, said on stderr, never the system
 message or the question just asked. A bad turn (a prompt the model cannot take) is reported and
 the conversation goes on; Ctrl-C stops a reply, keeping what was written of it.

@@ -36,8 +36,24 @@ def _add_chat(subparsers) -> None:
     _add_engine_flags(cmd)
     _add_sampling_flags(cmd, max_new_tokens=512)
     cmd.add_argument("--system", help="a system message that opens the conversation")
+    _add_prefix_cache_flag(cmd)
     cmd.add_argument("--quiet", action="store_true", help="no progress bars and no statistics lines")
     cmd.set_defaults(handler=_chat)
+
+
+def _add_prefix_cache_flag(cmd) -> None:
+    from draftwise.prefix_cache import DEFAULT_PREFIX_CACHE_MB
+
+    cmd.add_argument("--prefix-cache-mb", type=int, default=DEFAULT_PREFIX_CACHE_MB, metavar="MB",
+                     help="keys and values of finished requests kept for later prompts that start the same way (a "
+                          "chat's next turn, a shared system prompt), which then prefill only the rest; the same "
+                          f"output either way; 0 turns it off (default: {DEFAULT_PREFIX_CACHE_MB})")
+
+
+def _set_prefix_cache(engine, megabytes: int) -> None:
+    from draftwise.prefix_cache import PrefixCache
+
+    engine.prefix_cache = PrefixCache(megabytes << 20) if megabytes else None
 
 
 def _add_sampling_flags(cmd, max_new_tokens: int) -> None:
@@ -147,6 +163,7 @@ def _add_serve(subparsers) -> None:
                           "depends on what else is in the batch)")
     cmd.add_argument("--threads", type=int, help="CPU threads (default: PyTorch's, one per core)")
     cmd.add_argument("--quiet", action="store_true", help="no progress bars")
+    _add_prefix_cache_flag(cmd)
     cmd.set_defaults(handler=_serve)
 
 
@@ -158,8 +175,8 @@ def _serve(args) -> int:
     except ImportError as error:
         raise ConfigError(f"`draftwise serve` needs the server extras ({error.name} is missing): "
                           "pip install -e '.[server]'") from None
-    for flag in ("port", "max_queue", "prefill_chunk", "max_tokens_default", "max_body_bytes"):
-        if getattr(args, flag) < (0 if flag == "max_queue" else 1):
+    for flag in ("port", "max_queue", "prefill_chunk", "max_tokens_default", "max_body_bytes", "prefix_cache_mb"):
+        if getattr(args, flag) < (0 if flag in ("max_queue", "prefix_cache_mb") else 1):
             raise ConfigError(f"--{flag.replace('_', '-')} {getattr(args, flag)} is invalid: give a positive number.")
     for flag in ("max_batch", "max_tokens_limit"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
@@ -170,6 +187,7 @@ def _serve(args) -> int:
         raise ConfigError(f"--port {args.port} is invalid: ports go up to 65535.")
     _check_can_listen(args.host, args.port)
     engine = _load_engine(args)
+    _set_prefix_cache(engine, args.prefix_cache_mb)
     settings = ServerSettings(api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                               request_timeout_s=args.request_timeout, default_max_tokens=args.max_tokens_default,
                               max_tokens_limit=args.max_tokens_limit, sampling_mode=args.sampling_mode)
@@ -413,9 +431,13 @@ def _sampling_params(args):
 
 def _chat(args) -> int:
     from draftwise import chat
+    from draftwise.errors import ConfigError
 
+    if args.prefix_cache_mb < 0:
+        raise ConfigError(f"--prefix-cache-mb {args.prefix_cache_mb} is invalid: give 0 (off) or more.")
     params = _sampling_params(args)
     engine = _load_engine(args)
+    _set_prefix_cache(engine, args.prefix_cache_mb)
     return chat.run(engine, params, args.system, sys.stdin, sys.stdout, sys.stderr, interactive=sys.stdin.isatty(),
                     stats=not args.quiet)
 

@@ -18,6 +18,7 @@ from draftwise.controller import BatchController
 from draftwise.draft_length import DraftLengthPolicy
 from draftwise.drafters.base import Draft, Drafter, empty_draft
 from draftwise.errors import PromptError
+from draftwise.prefix_cache import PrefixCache
 from draftwise.metrics import RequestMetrics
 from draftwise.models.loading import LoadedModel
 from draftwise.sampling import make_generator
@@ -84,6 +85,9 @@ class Engine:
         # Layers whose hidden states the drafter reads (EAGLE, Medusa); () for most drafters.
         self.hidden_layers: tuple[int, ...] = tuple(getattr(self.drafter, "hidden_layers", ()))
         self.prefill_chunk = AMX_PREFILL_CHUNK if target.activations == "amx" else None
+        # Keys and values of finished requests that a later prompt starting the same way reuses
+        # (draftwise.prefix_cache; `draftwise chat` and `serve` set one). None: every prompt is prefilled.
+        self.prefix_cache: PrefixCache | None = None
 
     @property
     def tokenizer(self):
@@ -127,6 +131,7 @@ class Engine:
             delta = "" if seq.finished else seq.text.delta()  # the final update carries the rest
             if delta:
                 yield StreamUpdate(delta)
+        self.finish(seq)
         yield StreamUpdate(seq.text.delta(final=True), result_of(seq))
 
     def start(self, prompt_ids: list[int], params: SamplingParams, drafter: Drafter,
@@ -152,9 +157,18 @@ class Engine:
             params = replace(params, seed=secrets.randbits(63))
         generator = make_generator(params.seed)
         drafter.begin(params, generator, capacity)
-        return Sequence(prompt_ids, params, drafter, policy, num_draft_tokens, generator, model.new_cache(capacity),
-                        max_length, frozenset(model.info.eos_token_ids), TextStream(self.tokenizer, params.stop),
-                        RequestMetrics(num_prompt_tokens=len(prompt_ids)))
+        seq = Sequence(prompt_ids, params, drafter, policy, num_draft_tokens, generator, model.new_cache(capacity),
+                       max_length, frozenset(model.info.eos_token_ids), TextStream(self.tokenizer, params.stop),
+                       RequestMetrics(num_prompt_tokens=len(prompt_ids)))
+        if self.prefix_cache is not None:
+            seq.hidden_rows = [] if self.hidden_layers else None
+            self.prefix_cache.start(seq)
+        return seq
+
+    def finish(self, seq: Sequence) -> None:
+        """A sequence is done: a complete one leaves its keys and values to the prefix cache."""
+        if self.prefix_cache is not None and seq.finish_reason in ("stop", "length"):
+            self.prefix_cache.keep(seq)
 
 
 def result_of(seq: Sequence) -> GenerationResult:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 @dataclass(slots=True)
 class RequestMetrics:
     num_prompt_tokens: int = 0
+    num_cached_prompt_tokens: int = 0  # of them, taken from the prefix cache instead of prefilled
     num_generated_tokens: int = 0  # returned to the user (an ending EOS is not counted)
     num_committed_tokens: int = 0  # chosen by verification, EOS and tokens past a stop included
     num_target_forwards: int = 0  # prefill included: it commits the first token
@@ -69,6 +70,7 @@ class RequestMetrics:
     def to_dict(self) -> dict:
         return {
             "num_prompt_tokens": self.num_prompt_tokens,
+            "num_cached_prompt_tokens": self.num_cached_prompt_tokens,
             "num_generated_tokens": self.num_generated_tokens,
             "num_committed_tokens": self.num_committed_tokens,
             "num_target_forwards": self.num_target_forwards,
@@ -96,4 +98,6 @@ class RequestMetrics:
             f"accepted {self.num_accepted_tokens}/{self.num_draft_tokens} drafts "
             f"({100 * self.acceptance_rate:.0f}%) | {self.mean_accepted_length:.2f} tokens/forward | "
             f"draft {self.draft_s:.2f} s, verify {self.verify_s:.2f} s, prefill {self.prefill_s:.2f} s"
+            + (f" ({self.num_cached_prompt_tokens} of {self.num_prompt_tokens} prompt tokens cached)"
+               if self.num_cached_prompt_tokens else "")
         )

@@ -185,6 +185,7 @@ class Scheduler:
             if request.cancelled and not seq.finished:
                 seq.finish("cancelled")
             if seq.finished:
+                self.engine.finish(seq)
                 if seq.finish_reason != "cancelled":
                     request.on_event(Event(seq.text.delta(final=True), 0, result_of(seq)))
                 if self.on_finish is not None:

@@ -38,6 +38,9 @@ class Sequence:
     finish_reason: str | None = None  # "stop" or "length" once finished; "cancelled" if dropped
     stop_token: int | None = None  # the end-of-sequence token that finished it (not in the output)
     started: float = field(default_factory=time.perf_counter)
+    # The hidden-state rows the drafter observed, in context order, kept for a prefix cache
+    # (draftwise.prefix_cache) when the drafter reads them; None: not kept.
+    hidden_rows: list[torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         self.context = torch.tensor(self.prompt_ids, dtype=torch.long)
@@ -49,6 +52,13 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def observe(self, hidden: torch.Tensor) -> None:
+        """The target's hidden states [rows, features] of rows that became committed context:
+        to the drafter, and kept where hidden_rows is."""
+        self.drafter.observe(hidden)
+        if self.hidden_rows is not None:
+            self.hidden_rows.append(hidden)
 
     def commit(self, tokens: list[int]) -> None:
         """Append a step's tokens one by one, so that EOS, stop strings and the length limit

@@ -167,7 +167,7 @@ def _decode_segment(seq: Sequence, draft: Draft) -> Segment:
 def _finish_chunk(seq: Sequence, rows: range, logits: torch.Tensor, hidden: torch.Tensor | None) -> None:
     """A prompt chunk is in the cache; after the last one, the target picks the first token."""
     if hidden is not None:
-        seq.drafter.observe(hidden)  # prompt rows: all of them are committed context
+        seq.observe(hidden)  # prompt rows: all of them are committed context
     seq.num_prefilled = rows.stop
     if seq.prefilling:
         return
@@ -198,7 +198,7 @@ def _verify_and_commit(seq: Sequence, draft: Draft, segment: Segment, logits: to
     seq.cache.keep_path(num_committed, path)
     seq.drafter.rollback(num_committed + verdict.num_accepted)
     if hidden is not None:
-        seq.drafter.observe(hidden[[0] + [node + 1 for node in path]])  # the newly committed rows
+        seq.observe(hidden[[0] + [node + 1 for node in path]])  # the newly committed rows
     metrics = seq.metrics
     metrics.target_forward_s += forward_s
     metrics.verify_s += forward_s + time.perf_counter() - tic

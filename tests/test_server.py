@@ -119,6 +119,19 @@ def test_openai_client_chat_and_completions_equal_draftwise_generate(server, cli
     assert 0 < time.time() - models[0].created < 3600  # when the server took the model up, not 1970
 
 
+def test_a_chats_next_turn_reuses_its_prefix_and_says_so_in_usage(client, plain):
+    """`draftwise serve` keeps finished requests' keys and values (--prefix-cache-mb, on by
+    default): the second turn prefills only its new question, with the same answer."""
+    messages = [{"role": "user", "content": "Explain what a hash map is, briefly."}]
+    first = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=24, temperature=0)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And a list?"}]
+    second = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=24, temperature=0)
+    assert second.choices[0].message.content == plain.generate(messages, SamplingParams(max_new_tokens=24)).text
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens <= cached < second.usage.prompt_tokens
+
+
 def _jobs():
     """16 requests: all twelve prompts plus four, with different output lengths."""
     return [(PROMPTS[i % len(PROMPTS)], 12 + 6 * (i % 5)) for i in range(16)]

@@ -176,6 +176,7 @@ def usage(metrics: RequestMetrics) -> dict:
         "prompt_tokens": metrics.num_prompt_tokens,
         "completion_tokens": metrics.num_generated_tokens,
         "total_tokens": metrics.num_prompt_tokens + metrics.num_generated_tokens,
+        "prompt_tokens_details": {"cached_tokens": metrics.num_cached_prompt_tokens},  # from the prefix cache
         "speculative": {
             "draft_tokens": metrics.num_draft_tokens,
             "accepted_tokens": metrics.num_accepted_tokens,
