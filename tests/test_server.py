@@ -119,7 +119,7 @@ def test_openai_client_chat_and_completions_equal_draftwise_generate(server, cli
     assert 0 < time.time() - models[0].created < 3600  # when the server took the model up, not 1970
 
 
-def test_a_chats_next_turn_reuses_its_prefix_and_says_so_in_usage(client, plain):
+def test_a_chats_next_turn_reuses_its_prefix_and_says_so_in_usage(server, client, plain):
     """`draftwise serve` keeps finished requests' keys and values (--prefix-cache-mb, on by
     default): the second turn prefills only its new question, with the same answer."""
     messages = [{"role": "user", "content": "Explain what a hash map is, briefly."}]
@@ -130,6 +130,8 @@ def test_a_chats_next_turn_reuses_its_prefix_and_says_so_in_usage(client, plain)
     assert second.choices[0].message.content == plain.generate(messages, SamplingParams(max_new_tokens=24)).text
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert first.usage.prompt_tokens <= cached < second.usage.prompt_tokens
+    assert _metric(server, "draftwise_cached_prompt_tokens_total") >= cached
+    assert 0 < _metric(server, "draftwise_prefix_cache_bytes") <= 512 << 20
 
 
 def _jobs():

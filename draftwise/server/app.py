@@ -127,6 +127,7 @@ def create_app(engine: Engine, scheduler: Scheduler, settings: ServerSettings = 
     async def prometheus() -> Response:
         metrics.batch_size.set(scheduler.batch_size)
         metrics.queue_depth.set(scheduler.queue_depth)
+        metrics.prefix_cache_bytes.set(engine.prefix_cache.num_bytes if engine.prefix_cache is not None else 0)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")

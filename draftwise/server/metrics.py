@@ -21,6 +21,9 @@ class ServerMetrics:
         self.requests = Counter("draftwise_requests", "HTTP requests answered", ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("draftwise_prompt_tokens", "prompt tokens of finished requests", registry=r)
         self.generated_tokens = Counter("draftwise_generated_tokens", "tokens returned to clients", registry=r)
+        self.cached_prompt_tokens = Counter("draftwise_cached_prompt_tokens",
+                                            "prompt tokens taken from the prefix cache instead of prefilled", registry=r)
+        self.prefix_cache_bytes = Gauge("draftwise_prefix_cache_bytes", "what the prefix cache holds", registry=r)
         self.queue_depth = Gauge("draftwise_queue_depth", "requests waiting for a batch slot", registry=r)
         self.batch_size = Gauge("draftwise_batch_size", "sequences in the running batch", registry=r)
         self.max_batch = Gauge("draftwise_max_batch", "the batch limit", registry=r)
@@ -60,6 +63,7 @@ class ServerMetrics:
 
     def observe_finished(self, metrics: RequestMetrics) -> None:
         self.prompt_tokens.inc(metrics.num_prompt_tokens)
+        self.cached_prompt_tokens.inc(metrics.num_cached_prompt_tokens)
         self.generated_tokens.inc(metrics.num_generated_tokens)
         self.draft_tokens.inc(metrics.num_draft_tokens)
         self.accepted_tokens.inc(metrics.num_accepted_tokens)
