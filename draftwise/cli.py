@@ -50,10 +50,14 @@ def _add_prefix_cache_flag(cmd) -> None:
                           f"output either way; 0 turns it off (default: {DEFAULT_PREFIX_CACHE_MB})")
 
 
-def _set_prefix_cache(engine, megabytes: int) -> None:
+def _prefix_cache(megabytes: int):
+    """--prefix-cache-mb's cache (None for 0), checked before any model loads."""
+    from draftwise.errors import ConfigError
     from draftwise.prefix_cache import PrefixCache
 
-    engine.prefix_cache = PrefixCache(megabytes << 20) if megabytes else None
+    if megabytes < 0:
+        raise ConfigError(f"--prefix-cache-mb {megabytes} is invalid: give 0 (off) or more.")
+    return PrefixCache(megabytes << 20) if megabytes else None
 
 
 def _add_sampling_flags(cmd, max_new_tokens: int) -> None:
@@ -175,8 +179,8 @@ def _serve(args) -> int:
     except ImportError as error:
         raise ConfigError(f"`draftwise serve` needs the server extras ({error.name} is missing): "
                           "pip install -e '.[server]'") from None
-    for flag in ("port", "max_queue", "prefill_chunk", "max_tokens_default", "max_body_bytes", "prefix_cache_mb"):
-        if getattr(args, flag) < (0 if flag in ("max_queue", "prefix_cache_mb") else 1):
+    for flag in ("port", "max_queue", "prefill_chunk", "max_tokens_default", "max_body_bytes"):
+        if getattr(args, flag) < (0 if flag == "max_queue" else 1):
             raise ConfigError(f"--{flag.replace('_', '-')} {getattr(args, flag)} is invalid: give a positive number.")
     for flag in ("max_batch", "max_tokens_limit"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
@@ -186,8 +190,9 @@ def _serve(args) -> int:
     if args.port > 65535:
         raise ConfigError(f"--port {args.port} is invalid: ports go up to 65535.")
     _check_can_listen(args.host, args.port)
+    prefix_cache = _prefix_cache(args.prefix_cache_mb)
     engine = _load_engine(args)
-    _set_prefix_cache(engine, args.prefix_cache_mb)
+    engine.prefix_cache = prefix_cache
     settings = ServerSettings(api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                               request_timeout_s=args.request_timeout, default_max_tokens=args.max_tokens_default,
                               max_tokens_limit=args.max_tokens_limit, sampling_mode=args.sampling_mode)
@@ -431,13 +436,11 @@ def _sampling_params(args):
 
 def _chat(args) -> int:
     from draftwise import chat
-    from draftwise.errors import ConfigError
 
-    if args.prefix_cache_mb < 0:
-        raise ConfigError(f"--prefix-cache-mb {args.prefix_cache_mb} is invalid: give 0 (off) or more.")
     params = _sampling_params(args)
+    prefix_cache = _prefix_cache(args.prefix_cache_mb)
     engine = _load_engine(args)
-    _set_prefix_cache(engine, args.prefix_cache_mb)
+    engine.prefix_cache = prefix_cache
     return chat.run(engine, params, args.system, sys.stdin, sys.stdout, sys.stderr, interactive=sys.stdin.isatty(),
                     stats=not args.quiet)
 

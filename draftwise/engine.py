@@ -18,9 +18,9 @@ from draftwise.controller import BatchController
 from draftwise.draft_length import DraftLengthPolicy
 from draftwise.drafters.base import Draft, Drafter, empty_draft
 from draftwise.errors import PromptError
-from draftwise.prefix_cache import PrefixCache
 from draftwise.metrics import RequestMetrics
 from draftwise.models.loading import LoadedModel
+from draftwise.prefix_cache import PrefixCache
 from draftwise.sampling import make_generator
 from draftwise.sequence import Sequence
 from draftwise.step import run_step
