@@ -16,6 +16,7 @@ from draftwise.cli import build_parser
 from draftwise.server import ServerThread
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+DOCS = sorted((README.parent / "docs").glob("*.md"))  # the README's longer records (docs/heads.md, ...)
 
 
 def python_blocks(heading: str) -> list[str]:
@@ -73,10 +74,10 @@ def test_the_openai_client_example_runs_against_draftwise_serve():
 
 
 def command_lines() -> list[str]:
-    """Every `draftwise ...` command the README shows: in its bash blocks (continuations joined,
-    comments and `&&`-chained commands split off) and inline in its text, with a table cell's
-    escaped alternatives (`a\\|b`) each taken."""
-    text = README.read_text()
+    """Every `draftwise ...` command the README and docs/ show: in their bash blocks
+    (continuations joined, comments and `&&`-chained commands split off) and inline in their
+    text, with a table cell's escaped alternatives (`a\\|b`) each taken."""
+    text = "\n".join(path.read_text() for path in [README, *DOCS])
     commands = []
     for block in re.findall(r"```bash\n(.*?)```", text, re.S):
         for line in block.replace("\\\n", " ").splitlines():
@@ -93,7 +94,7 @@ def command_lines() -> list[str]:
 
 @pytest.mark.parametrize("command", command_lines())
 def test_every_command_the_readme_shows_names_real_flags_and_choices(command):
-    """A renamed flag or choice leaves the README's commands failing for whoever copies them. A
+    """A renamed flag or choice leaves the docs' commands failing for whoever copies them. A
     command named in prose without what it requires (`draftwise train --kind medusa`) is fine."""
     errors = io.StringIO()
     try:
@@ -105,8 +106,8 @@ def test_every_command_the_readme_shows_names_real_flags_and_choices(command):
 
 
 def benchmark_lines() -> list[str]:
-    """Every `python benchmarks/...` command in the README's text and bash blocks."""
-    text = README.read_text()
+    """Every `python benchmarks/...` command in the README's and docs/' text and bash blocks."""
+    text = "\n".join(path.read_text() for path in [README, *DOCS])
     blocks = " ".join(block.replace("\\\n", " ") for block in re.findall(r"```bash\n(.*?)```", text, re.S))
     return sorted(set(re.findall(r"python (benchmarks/\S+\.py[^`\n]*)", blocks)
                       + re.findall(r"`python (benchmarks/[^`]+)`", text.replace("\n", " "))))
@@ -122,3 +123,24 @@ def test_every_benchmark_command_the_readme_shows_names_a_script_and_its_flags(c
     source = path.read_text()
     for flag in (argument for argument in arguments if re.fullmatch(r"--[a-z][a-z0-9-]*", argument)):
         assert f'"{flag}"' in source, f"{script} declares no {flag}"
+
+
+def _anchors(path: Path) -> set[str]:
+    """GitHub's anchors for a Markdown file's headings."""
+    headings = re.findall(r"^#+ (.+)$", path.read_text(), re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-") for heading in headings}
+
+
+@pytest.mark.parametrize("page", [README, *DOCS], ids=lambda path: path.name)
+def test_every_link_in_the_docs_reaches_a_file_and_heading_that_exist(page):
+    """The README's records moved to docs/ with links both ways: a renamed heading or file must
+    not leave a link that goes nowhere."""
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+        if target.startswith(("http://", "https://", "mailto:")):
+            continue
+        file, _, anchor = target.partition("#")
+        path = (page.parent / file).resolve() if file else page
+        if not path.exists() or anchor and (path.suffix != ".md" or anchor not in _anchors(path)):
+            broken.append(target)
+    assert not broken, f"{page.name} links to what does not exist: {broken}"
