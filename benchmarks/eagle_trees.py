@@ -8,7 +8,7 @@
 Runs the bench suite's chat, math and translation prompts (two each, 96 new tokens) on the
 model (default SmolLM2-135M) with the given activations, plain first, then each top_k x depth
 tree shape with the adaptive draft-length policy; prints tok/s, the ratio to plain, tokens per
-target forward and drafting time per step. The README's EAGLE numbers come from this script.
+target forward and drafting time per step. docs/heads.md's EAGLE tree numbers come from this script.
 """
 
 from __future__ import annotations

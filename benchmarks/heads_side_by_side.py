@@ -9,7 +9,7 @@ tree shape x draft vocabulary x prompt-lookup length; a shape is TOPKxDEPTH, a f
 nodes of path probability >= P, EagleDrafter's min_path_probability) before the next prompt starts, so a machine that speeds up or
 slows down during the run (shared CPUs do) moves every column alike. Prints, per configuration
 and category, the speed-up over plain decoding and the tokens committed per target forward.
-The README's head comparisons come from this script.
+The head comparisons in docs/heads.md come from this script.
 """
 
 from __future__ import annotations

@@ -356,7 +356,7 @@ def test_eagle_with_and_without_prompt_lookup_equals_plain_greedy(smollm2, plain
 @pytest.mark.parametrize("vnni, expected", [(True, "int8"), (False, "float32")])
 def test_the_head_multiplies_on_int8_activations_only_where_the_kernels_have_vnni(monkeypatch, eagle_head, vnni,
                                                                                    expected):
-    """Without VNNI (AVX2 alone) int8 Q8_0 products are slower than float32 ones (README, "CPUs
+    """Without VNNI (AVX2 alone) int8 Q8_0 products are slower than float32 ones (docs/weight-formats.md, "CPUs
     with AVX2 but no AVX-512"), so the head's copy keeps float32 activations there."""
     from draftwise.models import kernels as kernels_module
     from draftwise.models.linear import BlockLinear

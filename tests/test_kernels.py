@@ -619,7 +619,7 @@ def test_loading_a_build_stamps_it_as_used(monkeypatch, tmp_path):
 @pytest.mark.parametrize("compiler", [("gcc", "12.2.0"), ("gcc", "13.3.0"), ("clang", "14.0.6"), ("", "")])
 def test_no_compiler_fuses_products_and_sums_by_itself_and_each_compiler_has_its_own_build(monkeypatch, compiler):
     """GCC 13.3 contracted a Q4_0 product's decode and dequantised paths differently (an ulp
-    apart: README, "Compilers"); the kernels now spell every fused multiply-add (vec.h's fmadd)
+    apart: docs/weight-formats.md, "CPUs with AVX2 but no AVX-512, and compilers"); the kernels now spell every fused multiply-add (vec.h's fmadd)
     and build with contraction off whatever the compiler, and a build made by one compiler
     never answers for another."""
     monkeypatch.setattr(kernels_module, "_compiler", lambda: compiler)

@@ -13,7 +13,7 @@ float16 scale, plus a float16 minimum for Q4_1): the same kernel, the same invar
 `--activations int8` rounds each row of a linear's input to 8 bits per 32 columns (per 256
 for Q4_K / Q5_K / Q6_K; one float scale each) and multiplies it against the blocks with exact integer
 dot products (kernels/int8_linear.cpp): about 1.8x faster for a decode step on a Q4_K_M file,
-still batch-invariant, and as close to float32 activations as llama.cpp is (README, "int8
+still batch-invariant, and as close to float32 activations as llama.cpp is (docs/weight-formats.md, "int8
 activations": on Qwen2.5-1.5B mean KL 0.08 nats, top-1 0.960; on SmolLM2 KL 0.0045, top-1
 0.968; benchmarks/numerics.py measures it). Float-format weights (F32, F16, BF16) keep
 float32 activations.
@@ -22,7 +22,7 @@ float32 activations.
 as above) to bfloat16 and sums the products in float32 with AVX-512 BF16's dot product
 (kernels/bf16_linear.cpp): twice the multiply-adds an instruction, so prefill and verify
 forwards of 5+ tokens run up to 1.6x faster while a one-token step costs the same; any weight
-format, still batch-invariant (README, "bf16 activations", gives its closeness to float32).
+format, still batch-invariant (docs/weight-formats.md, "bf16 activations", gives its closeness to float32).
 
 `--activations amx` rounds the same values to bfloat16 and sums the products on AMX tiles
 (kernels/amx_linear.cpp; Intel Xeons since Sapphire Rapids): the hardware's own summation, so

@@ -5,7 +5,7 @@
 // (several instructions per weight); with 8-bit activations one VNNI instruction multiplies and
 // adds 64 byte pairs, so a decode step runs at the speed the weights' bytes arrive, as llama.cpp
 // does. The price is rounding x: the result is dot(W, round8(x)) where round8 keeps 8 bits per
-// 32 values (one float scale per block, amax / 127), not dot(W, x). linear.py and the README
+// 32 values (one float scale per block, amax / 127), not dot(W, x). linear.py and docs/weight-formats.md
 // state how close (benchmarks/numerics.py measures it).
 //
 // Two layouts, one per family of formats (both in the file's own column order):
