@@ -109,6 +109,14 @@ class KVCache(CacheLength):
         self.keys = torch.empty(shape, dtype=dtype, device=device)
         self.values = torch.empty(shape, dtype=dtype, device=device)
 
+    def fill(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Start from another cache's first entries, keys and values [layers, 1, kv_heads, n,
+        head_dim]: slots [0, n) hold them and the length is n."""
+        self.truncate(0)
+        end = self.reserve(keys.shape[3]) + keys.shape[3]
+        self.keys[:, :, :, :end] = keys
+        self.values[:, :, :, :end] = values
+
     def write(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store keys/values [1, kv_heads, T, head_dim] at slots start.. and return views of all
         slots up to the new end, [1, kv_heads, start + T, head_dim]."""

@@ -71,9 +71,7 @@ class PrefixCache:
                 return 0
             self._entries.remove(best)
             self._entries.append(best)  # most recently used
-        start = seq.cache.reserve(reused)
-        seq.cache.keys[:, :, :, start:reused] = best.keys[:, :, :, :reused]
-        seq.cache.values[:, :, :, start:reused] = best.values[:, :, :, :reused]
+        seq.cache.fill(best.keys[:, :, :, :reused], best.values[:, :, :, :reused])
         if best.hidden is not None and reads_hidden:
             seq.observe(best.hidden[:reused])
         seq.num_prefilled = reused

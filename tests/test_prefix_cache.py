@@ -68,3 +68,35 @@ def test_the_cache_stays_within_its_budget_dropping_the_least_recently_used(smol
     engine.prefix_cache = PrefixCache(one_entry // 2)  # an entry bigger than the whole budget is not kept
     engine.generate(prompts[0], max_new_tokens=8)
     assert engine.prefix_cache.num_bytes == 0
+
+
+def test_a_draft_models_next_turn_feeds_only_what_its_cache_does_not_hold(monkeypatch):
+    """The draft model keeps its entries between requests: a conversation's next turn feeds it
+    the new tokens only, and it drafts what a fresh draft cache drafts (fixed draft lengths, so
+    the drafts are compared one for one)."""
+    from draftwise.drafters import draft_model
+
+    fed_rows = []
+    forward = draft_model.forward_segments
+
+    def counting(model, segments, *args):
+        fed_rows.append(sum(segment.tokens.shape[0] for segment in segments))
+        return forward(model, segments, *args)
+
+    kept = draftwise.load("smollm2-135m", drafter="model", draft_model="smollm2-135m", num_draft_tokens=3,
+                          draft_length="fixed", progress=False)
+    fresh = draftwise.load("smollm2-135m", drafter="model", draft_model="smollm2-135m", num_draft_tokens=3,
+                           draft_length="fixed", progress=False)
+    messages = [{"role": "user", "content": STORY}]
+    first = kept.generate(messages, max_new_tokens=24)
+    messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Go on."}]
+    monkeypatch.setattr(draft_model, "forward_segments", counting)
+    second = kept.generate(messages, max_new_tokens=24)
+    catch_up = fed_rows[0]  # the request's first draft forward: what the cache did not hold
+    monkeypatch.setattr(draft_model, "forward_segments", forward)
+    kept.drafter.fed = draft_model.NOTHING_FED  # as a fresh cache would start
+    again = kept.generate(messages, max_new_tokens=24)
+    expected = fresh.generate(messages, max_new_tokens=24)
+    assert second.token_ids == again.token_ids == expected.token_ids
+    assert second.metrics.num_accepted_tokens == expected.metrics.num_accepted_tokens
+    assert catch_up < second.metrics.num_prompt_tokens - first.metrics.num_prompt_tokens

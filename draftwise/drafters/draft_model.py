@@ -14,6 +14,9 @@ from draftwise.models.base import CausalLM, Segment, forward_segments
 from draftwise.sampling import coupled_token, logits_to_probs, sample
 
 
+NOTHING_FED = (torch.empty(0, dtype=torch.long),) * 2
+
+
 class ModelDrafter:
     sequential = True  # see Drafter.sequential
 
@@ -22,6 +25,10 @@ class ModelDrafter:
         self.cache: KVCache | None = None
         self.params = SamplingParams()
         self.generator: torch.Generator | None = None
+        # The token ids the cache's entries were computed from: the last proposal's context and
+        # the draft tokens fed after it (rollback keeps the first cache.length of them).
+        self.fed: tuple[torch.Tensor, torch.Tensor] = NOTHING_FED
+        self.new_request = False
 
     def fork(self) -> "ModelDrafter":
         """A twin for a concurrent request: the same model, a cache of its own (made in begin)."""
@@ -30,14 +37,28 @@ class ModelDrafter:
         return twin
 
     def begin(self, params: SamplingParams, generator: torch.Generator, max_length: int) -> None:
+        """A request starts. The cache keeps the last request's entries: the first proposal
+        keeps those its context starts with (a chat's next turn resends the conversation so
+        far, so only the new turn is fed; on the native decoder the same draft either way, by batch
+        invariance)."""
         self.params = params
         self.generator = generator
         if self.cache is None or self.cache.max_length < max_length:
-            self.cache = self.model.new_cache(max_length)
-        self.cache.truncate(0)
+            held, self.cache = self.cache, self.model.new_cache(max_length)
+            if isinstance(held, KVCache) and isinstance(self.cache, KVCache):  # a longer request: keep the entries
+                self.cache.fill(held.keys[:, :, :, :held.length], held.values[:, :, :, :held.length])
+        self.new_request = True
 
     def propose(self, context: torch.Tensor, num_draft_tokens: int) -> Draft:
         return ModelDrafter.propose_together([self], [context], [num_draft_tokens])[0]
+
+    def _keep_shared_prefix(self, context: torch.Tensor) -> None:
+        """Truncate the cache to the entries of the tokens this request's context starts with."""
+        self.new_request = False
+        held = torch.cat(self.fed)[:self.cache.length]
+        length = min(held.shape[0], context.shape[0] - 1)  # the context's last token is fed anew
+        differ = (held[:length] != context[:length]).nonzero()
+        self.cache.truncate(int(differ[0]) if differ.numel() else length)
 
     @staticmethod
     def propose_together(drafters: list["ModelDrafter"], contexts: list[torch.Tensor],
@@ -48,6 +69,10 @@ class ModelDrafter:
         with the same arithmetic whatever else the forward holds, so each request's draft is
         token for token the one it would draft alone; propose() is this with one request."""
         model = drafters[0].model
+        for drafter, context in zip(drafters, contexts):
+            if drafter.new_request:
+                drafter._keep_shared_prefix(context)
+            drafter.fed = NOTHING_FED  # until this proposal is complete (an interrupted one leaves nothing to reuse)
         # Catch up on what each draft has not seen: the tokens committed since its last step
         # (usually the target's recovered/bonus token and the draft's last, unfed token).
         segments = [Segment(context[drafter.cache.length:], torch.arange(drafter.cache.length, context.shape[0]),
@@ -70,8 +95,11 @@ class ModelDrafter:
                             for i in fed]
                 for i, output in zip(fed, forward_segments(model, segments)):
                     logits[i] = output[-1]
-        return [Draft(torch.stack(chain) if chain else torch.empty(0, dtype=torch.long),
-                      torch.stack(rows) if rows else None) for chain, rows in zip(tokens, probs)]
+        drafts = [Draft(torch.stack(chain) if chain else torch.empty(0, dtype=torch.long),
+                        torch.stack(rows) if rows else None) for chain, rows in zip(tokens, probs)]
+        for drafter, context, draft in zip(drafters, contexts, drafts):
+            drafter.fed = (context, draft.tokens)
+        return drafts
 
     def _pick(self, logits: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The draft token for output position `position` from the draft's logits [vocab], and
