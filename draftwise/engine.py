@@ -85,9 +85,20 @@ class Engine:
         # Layers whose hidden states the drafter reads (EAGLE, Medusa); () for most drafters.
         self.hidden_layers: tuple[int, ...] = tuple(getattr(self.drafter, "hidden_layers", ()))
         self.prefill_chunk = AMX_PREFILL_CHUNK if target.activations == "amx" else None
-        # Keys and values of finished requests that a later prompt starting the same way reuses
-        # (draftwise.prefix_cache; `draftwise chat` and `serve` set one). None: every prompt is prefilled.
-        self.prefix_cache: PrefixCache | None = None
+        self._prefix_cache: PrefixCache | None = None
+
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        """Keys and values of finished requests that a later prompt starting the same way reuses
+        (draftwise.prefix_cache; `draftwise chat` and `serve` set one); None: every prompt is
+        prefilled. Setting one also lets a draft model keep its entries between requests."""
+        return self._prefix_cache
+
+    @prefix_cache.setter
+    def prefix_cache(self, cache: PrefixCache | None) -> None:
+        self._prefix_cache = cache
+        if hasattr(self.drafter, "keep_between_requests"):  # a draft model (drafters.draft_model)
+            self.drafter.keep_between_requests = cache is not None
 
     @property
     def tokenizer(self):

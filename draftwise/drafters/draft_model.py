@@ -29,6 +29,9 @@ class ModelDrafter:
         # the draft tokens fed after it (rollback keeps the first cache.length of them).
         self.fed: tuple[torch.Tensor, torch.Tensor] = NOTHING_FED
         self.new_request = False
+        # Whether a request starts from the last one's entries (set by Engine.prefix_cache: on
+        # with prefix caching, off otherwise, so that a benchmark's repeats each start cold).
+        self.keep_between_requests = False
 
     def fork(self) -> "ModelDrafter":
         """A twin for a concurrent request: the same model, a cache of its own (made in begin)."""
@@ -37,17 +40,20 @@ class ModelDrafter:
         return twin
 
     def begin(self, params: SamplingParams, generator: torch.Generator, max_length: int) -> None:
-        """A request starts. The cache keeps the last request's entries: the first proposal
-        keeps those its context starts with (a chat's next turn resends the conversation so
-        far, so only the new turn is fed; on the native decoder the same draft either way, by batch
-        invariance)."""
+        """A request starts. With keep_between_requests the cache keeps the last request's
+        entries, and the first proposal keeps those its context starts with (a chat's next turn
+        resends the conversation so far, so only the new turn is fed; on the native decoder the
+        same draft either way, by batch invariance); without, it starts empty."""
         self.params = params
         self.generator = generator
+        keep = self.keep_between_requests
         if self.cache is None or self.cache.max_length < max_length:
             held, self.cache = self.cache, self.model.new_cache(max_length)
-            if isinstance(held, KVCache) and isinstance(self.cache, KVCache):  # a longer request: keep the entries
+            if keep and isinstance(held, KVCache) and isinstance(self.cache, KVCache):  # a longer request
                 self.cache.fill(held.keys[:, :, :, :held.length], held.values[:, :, :, :held.length])
-        self.new_request = True
+        if not keep:
+            self.cache.truncate(0)
+        self.new_request = keep
 
     def propose(self, context: torch.Tensor, num_draft_tokens: int) -> Draft:
         return ModelDrafter.propose_together([self], [context], [num_draft_tokens])[0]
