@@ -72,14 +72,16 @@ def reply(engine: Engine, conversation: Conversation, text: str, params: Samplin
 
 
 def run(engine: Engine, params: SamplingParams, system: str | None, lines: TextIO, out: TextIO, err: TextIO,
-        interactive: bool, stats: bool = True) -> int:
+        interactive: bool, stats: bool = True, drafter_name: str | None = None) -> int:
     """The conversation loop: over `lines`, or on a terminal (interactive) over input()'s lines,
     with a prompt and line editing; 0 at /exit or the end of input."""
     conversation = Conversation(system)
     if interactive:
         import readline  # noqa: F401  (input() then edits lines and keeps their history)
 
-        print(f"draftwise chat with {engine.target.model.info.name}: /help for commands, Ctrl-D to leave.", file=err)
+        drafter = f" (drafter {drafter_name})" if drafter_name else ""
+        print(f"draftwise chat with {engine.target.model.info.name}{drafter}: /help for commands, Ctrl-D to leave.",
+              file=err)
     while (text := _next_line(lines, out, interactive)) is not None:
         if not text:
             continue

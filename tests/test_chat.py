@@ -86,3 +86,13 @@ def test_ctrl_c_stops_a_reply_and_keeps_what_was_written(plain):
     kept = conversation.turns[-1]["content"]
     assert kept and shown.startswith(kept) and len(kept) < len(plain.generate(
         [{"role": "user", "content": "Write a long story about a dragon."}], max_new_tokens=64).text)
+
+
+def test_chat_drafts_with_the_shipped_eagle_head_unless_told_otherwise():
+    from draftwise.cli import build_parser, chat_drafter
+
+    assert build_parser().parse_args(["chat"]).drafter is None
+    assert chat_drafter("smollm2-135m", None) == "eagle"  # a head is shipped for it
+    assert chat_drafter("qwen2.5-coder-0.5b", None) == "ngram"  # none is
+    assert chat_drafter("/some/model.gguf", None) == "ngram"
+    assert chat_drafter("smollm2-135m", "none") == "none"
