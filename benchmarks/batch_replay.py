@@ -4,12 +4,16 @@ both alike, where benchmarks/serve_load.py runs one server after another).
 
     python benchmarks/batch_replay.py --model smollm2-135m --clients 4 --requests-per-client 2
     python benchmarks/batch_replay.py --model smollm2-135m --clients 16 --requests-per-client 1
+    python benchmarks/batch_replay.py --model smollm2-135m --clients 16 --requests-per-client 1 --prefix-cache-mb 512
 
 Client c sends the bench suite's prompts c*R .. c*R+R-1 (rendered by the chat template) one after
 another into draftwise.scheduler.Scheduler, greedy, --max-tokens each; a round's rate is its
 generated tokens over its wall time. Per configuration and round it prints tokens/s and where the
 forwards went: decoding-only steps (rows per step, draft tokens the controller kept), steps that
-mix a prefill chunk with decoding rows, and prefill-only steps.
+mix a prefill chunk with decoding rows, and prefill-only steps. --prefix-cache-mb adds the
+controller with `draftwise serve`'s prefix cache as a third configuration, emptied at each round
+(the suite's prompts share only the chat template's opening, so this measures what keeping
+finished requests costs against what that opening saves).
 """
 
 from __future__ import annotations
@@ -77,8 +81,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--prefix-cache-mb", type=int, default=0,
+                        help="also run the controller with a prefix cache of this size (draftwise serve's default: 512)")
     args = parser.parse_args()
     engines = {name: draftwise.load(args.model, progress=False, **flags) for name, flags in CONFIGS.items()}
+    if args.prefix_cache_mb:
+        engines["controller + prefix cache"] = draftwise.load(args.model, progress=False, **CONFIGS["batched + controller"])
+        engines["controller + prefix cache"].prefix_cache = draftwise.PrefixCache(args.prefix_cache_mb << 20)
     tokenizer = engines["plain batched"].tokenizer
     texts = [tokenizer.apply_chat_template(list(prompt.messages), add_generation_prompt=True, tokenize=False)
              for prompt in load_suite(default_prompt_dir())]
@@ -88,8 +97,10 @@ def main() -> None:
                      f"{len(prompts)} prompts: ask for fewer")
     for round_ in range(1, args.rounds + 1):
         for name, engine in engines.items():
+            if engine.prefix_cache is not None:  # empty each round: the rounds replay the same prompts
+                engine.prefix_cache = draftwise.PrefixCache(args.prefix_cache_mb << 20)
             result = replay(engine, prompts, args.clients, args.requests_per_client, args.max_tokens, args.max_batch)
-            print(f"round {round_} | {name:20s} | {args.clients} clients | {result}", flush=True)
+            print(f"round {round_} | {name:25s} | {args.clients} clients | {result}", flush=True)
 
 
 if __name__ == "__main__":
