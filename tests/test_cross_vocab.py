@@ -149,3 +149,32 @@ def test_transformers_fallback_rolls_back_to_what_a_full_forward_gives(gemma):
     again = model.forward(ids[120:150], torch.arange(120, 150), cache)
     assert cache.length == 150
     assert torch.allclose(again, full[120:150], atol=1e-3)
+
+
+def test_with_prefix_caching_the_draft_keeps_its_entries_for_the_next_turn(qwen_0_5b, smollm2):
+    """Engine.prefix_cache turns on keep_between_requests: a conversation's next turn feeds the
+    cross-vocabulary draft only the new text's tokens, with the same drafts (fixed lengths)."""
+    from draftwise import PrefixCache
+
+    fed = []
+    drafter = smollm2_drafter(qwen_0_5b, smollm2, "string")
+    forward = drafter.model.forward
+    drafter.model = type("Counting", (), {"forward": staticmethod(lambda tokens, *a, **k: fed.append(tokens.shape[0])
+                                                                  or forward(tokens, *a, **k)),
+                                          "new_cache": smollm2.model.new_cache, "info": smollm2.model.info})()
+    engine = Engine(qwen_0_5b, drafter, num_draft_tokens=4)
+    engine.prefix_cache = PrefixCache(1 << 30)
+    assert drafter.keep_between_requests
+    messages = [{"role": "user", "content": "Explain what a hash map is, in two sentences."}]
+    first = engine.generate(messages, PARAMS)
+    messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Give an example."}]
+    fed.clear()
+    second = engine.generate(messages, PARAMS)
+    catch_up = fed[0]  # the request's first draft forward: what the draft's cache did not hold
+    cold = Engine(qwen_0_5b, smollm2_drafter(qwen_0_5b, smollm2, "string"), num_draft_tokens=4)
+    expected = cold.generate(messages, PARAMS)
+    assert second.token_ids == expected.token_ids
+    assert second.metrics.num_accepted_tokens == expected.metrics.num_accepted_tokens
+    whole = len(smollm2.tokenizer.encode(qwen_0_5b.tokenizer.decode(qwen_0_5b.tokenizer.encode(
+        qwen_0_5b.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)))))
+    assert catch_up < whole // 2

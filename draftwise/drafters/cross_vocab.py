@@ -32,6 +32,7 @@ from draftwise.drafters.base import Draft, empty_draft
 from draftwise.drafters.text_bridge import continuation_tokens, split_committed
 from draftwise.drafters.vocab import PROBE_TEXT, vocabulary_pair
 from draftwise.errors import ConfigError, IncompatibleDrafterError
+from draftwise.kv_cache import KVCache
 from draftwise.models.base import CausalLM
 from draftwise.sampling import coupled_token, logits_to_probs, sample
 
@@ -63,6 +64,9 @@ class CrossVocabDrafter:
         self.intersection = Intersection(self.vocab_map.draft_to_target[: model.info.vocab_size], target_vocab_size)
         self.cache = None
         self.cached_ids: list[int] = []  # the draft token ids whose keys/values the cache holds
+        # Whether a request starts from the last one's entries (set by Engine.prefix_cache, as
+        # for drafters.draft_model: the catch-up then keeps what the new text starts with).
+        self.keep_between_requests = False
         self.params = SamplingParams()
         self.generator: torch.Generator | None = None
 
@@ -79,10 +83,16 @@ class CrossVocabDrafter:
         self.method = self.method_for(params)
         # The draft's tokenizer may need more tokens than the target's for the same text.
         capacity = min(2 * max_length + 64, self.model.info.max_context)
+        keep = self.keep_between_requests
         if self.cache is None or self.cache.max_length < capacity:
-            self.cache = self.model.new_cache(capacity)
-        self.cache.truncate(0)
-        self.cached_ids = []
+            held, self.cache = self.cache, self.model.new_cache(capacity)
+            if keep and isinstance(held, KVCache) and isinstance(self.cache, KVCache):  # a longer request
+                self.cache.fill(held.keys[:, :, :, :held.length], held.values[:, :, :, :held.length])
+            else:
+                self.cached_ids = []
+        if not keep:
+            self.cache.truncate(0)
+            self.cached_ids = []
 
     def method_for(self, params: SamplingParams) -> str:
         """The algorithm a request with these params runs (see MIN_INTERSECTION_COVERAGE)."""
@@ -115,6 +125,7 @@ class CrossVocabDrafter:
         while keep < limit and self.cached_ids[keep] == draft_ids[keep]:
             keep += 1
         self.cache.truncate(keep)
+        del self.cached_ids[keep:]  # as the cache, until the forward completes (an interrupted one leaves these)
         pending = torch.tensor(draft_ids[keep:], dtype=torch.long)
         logits = self.model.forward(pending, torch.arange(keep, len(draft_ids)), self.cache, num_logits=1)[-1]
         self.cached_ids = list(draft_ids)
