@@ -97,7 +97,7 @@ class Engine:
     @prefix_cache.setter
     def prefix_cache(self, cache: PrefixCache | None) -> None:
         self._prefix_cache = cache
-        if hasattr(self.drafter, "keep_between_requests"):  # a draft model (drafters.draft_model)
+        if hasattr(self.drafter, "keep_between_requests"):  # a draft model (drafters.draft_model, cross_vocab)
             self.drafter.keep_between_requests = cache is not None
 
     @property
