@@ -12,8 +12,8 @@ from draftwise.config import SamplingParams, SpecConfig
 from draftwise.drafters.base import Draft, Drafter
 from draftwise.engine import Engine, GenerationResult, StreamUpdate
 from draftwise.errors import DraftwiseError
-from draftwise.prefix_cache import PrefixCache
 from draftwise.models.registry import DEFAULT_MODEL
+from draftwise.prefix_cache import PrefixCache
 
 __version__ = "0.1.0"
 

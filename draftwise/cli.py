@@ -33,12 +33,9 @@ def _add_chat(subparsers) -> None:
                                             "streamed, then one line of statistics on stderr. /reset forgets the "
                                             "conversation, /exit (or Ctrl-D) leaves, Ctrl-C stops a reply. Lines "
                                             "piped in are taken as messages one by one.")
-    _add_engine_flags(cmd)
-    cmd.set_defaults(drafter=None)  # chat_drafter's choice
-    for action in cmd._actions:
-        if action.dest == "drafter":
-            action.help = ("how draft tokens are proposed (default: eagle where a head is shipped for --model, the "
-                           "best on chat prompts on every CPU measured; else ngram)")
+    _add_engine_flags(cmd, drafter_default=None,  # chat_drafter's choice
+                      drafter_default_text="eagle where a head is shipped for --model, the best on chat prompts on "
+                                           "every CPU measured; else ngram")
     _add_sampling_flags(cmd, max_new_tokens=512)
     cmd.add_argument("--system", help="a system message that opens the conversation")
     _add_prefix_cache_flag(cmd)
@@ -82,8 +79,8 @@ def _add_sampling_flags(cmd, max_new_tokens: int) -> None:
     cmd.add_argument("--threads", type=int, help="CPU threads (default: PyTorch's, one per core)")
 
 
-def _add_engine_flags(cmd) -> None:
-    """The flags that build an Engine: the same for `generate` and `serve`."""
+def _add_engine_flags(cmd, drafter_default: str | None = "ngram", drafter_default_text: str = "ngram") -> None:
+    """The flags that build an Engine: the same for `generate`, `chat` and `serve`."""
     from draftwise.config import CROSS_VOCAB_METHODS, DRAFT_LENGTHS, DRAFT_QUANTIZATIONS
     from draftwise.drafters import DRAFTERS
     from draftwise.kv_cache import KV_CACHES
@@ -92,7 +89,8 @@ def _add_engine_flags(cmd) -> None:
     from draftwise.models.registry import DEFAULT_MODEL
 
     cmd.add_argument("--model", default=DEFAULT_MODEL, help=f"packaged name, local folder/.gguf or hub id (default: {DEFAULT_MODEL})")
-    cmd.add_argument("--drafter", default="ngram", choices=list(DRAFTERS), help="how draft tokens are proposed (default: ngram)")
+    cmd.add_argument("--drafter", default=drafter_default, choices=list(DRAFTERS),
+                     help=f"how draft tokens are proposed (default: {drafter_default_text})")
     cmd.add_argument("--draft-model", help="the draft model for --drafter model or cross-vocab: name or path")
     cmd.add_argument("--head", help="for --drafter eagle or medusa: a head folder from `draftwise train` "
                                     "(default: the one shipped for --model)")

@@ -37,6 +37,23 @@ def kv_cache_name(dtype: torch.dtype) -> str:
     return next(name for name, named in KV_CACHES.items() if named == dtype)
 
 
+def shared_prefix_length(ids: torch.Tensor, other: torch.Tensor) -> int:
+    """How many leading token ids two id sequences [n], [m] share: how many entries a cache
+    computed for one holds for the other."""
+    length = min(ids.shape[0], other.shape[0])
+    differ = (ids[:length] != other[:length]).nonzero()
+    return int(differ[0]) if differ.numel() else length
+
+
+def carry_entries(held: "CacheLength | None", cache: "CacheLength") -> bool:
+    """Copy a cache's committed entries into the larger one replacing it; False (nothing copied)
+    where either is not a KVCache (the transformers fallback's cache cannot be copied so)."""
+    if not (isinstance(held, KVCache) and isinstance(cache, KVCache)):
+        return False
+    cache.fill(held.keys[:, :, :, :held.length], held.values[:, :, :, :held.length])
+    return True
+
+
 class CacheLength:
     """The bookkeeping every cache shares: slots [0, length) hold committed tokens, a forward
     claims the next ones, rollback forgets the last ones."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from draftwise.kv_cache import KVCache
+from draftwise.kv_cache import KVCache, shared_prefix_length
 from draftwise.sequence import Sequence
 
 # `draftwise serve` and `draftwise chat`'s --prefix-cache-mb: SmolLM2-135M's bf16 keys and values
@@ -64,7 +64,7 @@ class PrefixCache:
             for entry in self._entries:
                 if reads_hidden and entry.hidden is None:
                     continue  # its drafter's rows were not kept: reusing would leave this drafter blind to them
-                common = _common_length(entry.tokens, prompt[:-1])
+                common = shared_prefix_length(entry.tokens, prompt[:-1])
                 if common > reused:
                     best, reused = entry, common
             if best is None:
@@ -96,15 +96,9 @@ class PrefixCache:
         with self._lock:
             # Entries this one extends (an earlier turn of the same conversation) say nothing more.
             self._entries = [old for old in self._entries
-                             if not (_common_length(old.tokens, entry.tokens) == old.tokens.shape[0]
+                             if not (shared_prefix_length(old.tokens, entry.tokens) == old.tokens.shape[0]
                                      and (old.hidden is None or entry.hidden is not None))]
             self._entries.append(entry)
             while self.num_bytes > self.max_bytes:
                 self._entries.pop(0)
 
-
-def _common_length(tokens: torch.Tensor, other: torch.Tensor) -> int:
-    """How many leading tokens two id sequences share."""
-    length = min(tokens.shape[0], other.shape[0])
-    differ = (tokens[:length] != other[:length]).nonzero()
-    return int(differ[0]) if differ.numel() else length

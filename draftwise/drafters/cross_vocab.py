@@ -32,7 +32,7 @@ from draftwise.drafters.base import Draft, empty_draft
 from draftwise.drafters.text_bridge import continuation_tokens, split_committed
 from draftwise.drafters.vocab import PROBE_TEXT, vocabulary_pair
 from draftwise.errors import ConfigError, IncompatibleDrafterError
-from draftwise.kv_cache import KVCache
+from draftwise.kv_cache import carry_entries
 from draftwise.models.base import CausalLM
 from draftwise.sampling import coupled_token, logits_to_probs, sample
 
@@ -86,9 +86,7 @@ class CrossVocabDrafter:
         keep = self.keep_between_requests
         if self.cache is None or self.cache.max_length < capacity:
             held, self.cache = self.cache, self.model.new_cache(capacity)
-            if keep and isinstance(held, KVCache) and isinstance(self.cache, KVCache):  # a longer request
-                self.cache.fill(held.keys[:, :, :, :held.length], held.values[:, :, :, :held.length])
-            else:
+            if not (keep and carry_entries(held, self.cache)):  # a longer request keeps the entries
                 self.cached_ids = []
         if not keep:
             self.cache.truncate(0)

@@ -9,7 +9,7 @@ import torch
 from draftwise.config import SamplingParams
 from draftwise.drafters.base import Draft
 from draftwise.errors import IncompatibleDrafterError
-from draftwise.kv_cache import KVCache
+from draftwise.kv_cache import KVCache, carry_entries, shared_prefix_length
 from draftwise.models.base import CausalLM, Segment, forward_segments
 from draftwise.sampling import coupled_token, logits_to_probs, sample
 
@@ -49,8 +49,8 @@ class ModelDrafter:
         keep = self.keep_between_requests
         if self.cache is None or self.cache.max_length < max_length:
             held, self.cache = self.cache, self.model.new_cache(max_length)
-            if keep and isinstance(held, KVCache) and isinstance(self.cache, KVCache):  # a longer request
-                self.cache.fill(held.keys[:, :, :, :held.length], held.values[:, :, :, :held.length])
+            if keep:  # a longer request
+                carry_entries(held, self.cache)
         if not keep:
             self.cache.truncate(0)
         self.new_request = keep
@@ -62,9 +62,7 @@ class ModelDrafter:
         """Truncate the cache to the entries of the tokens this request's context starts with."""
         self.new_request = False
         held = torch.cat(self.fed)[:self.cache.length]
-        length = min(held.shape[0], context.shape[0] - 1)  # the context's last token is fed anew
-        differ = (held[:length] != context[:length]).nonzero()
-        self.cache.truncate(int(differ[0]) if differ.numel() else length)
+        self.cache.truncate(shared_prefix_length(held, context[:-1]))  # the context's last token is fed anew
 
     @staticmethod
     def propose_together(drafters: list["ModelDrafter"], contexts: list[torch.Tensor],
