@@ -53,8 +53,11 @@ def test_the_python_api_example_runs_as_written():
     assert "tok/s" in printed  # metrics.summary()
     assert namespace["update"].result.text in printed  # the stream's deltas, printed, spell its whole text
     assert 0 < namespace["result"].metrics.num_generated_tokens <= 32  # the settings-by-name call
-    second_turn = namespace["answer"].metrics
-    assert second_turn.num_prompt_tokens - 20 < second_turn.num_cached_prompt_tokens < second_turn.num_prompt_tokens  # the new turn: ~15
+    second_turn, engine = namespace["answer"].metrics, namespace["engine"]
+    # At least the whole first prompt came from the cache (and the answer too, where its text
+    # tokenizes back to the same tokens: all but the new turn's ~15 on this project's CPUs).
+    first_prompt = len(engine.encode(namespace["chat"][:1]))
+    assert first_prompt <= second_turn.num_cached_prompt_tokens < second_turn.num_prompt_tokens
 
 
 def test_the_own_drafter_example_runs_as_written():
