@@ -12,6 +12,7 @@ from draftwise.config import SamplingParams, SpecConfig
 from draftwise.drafters.base import Draft, Drafter
 from draftwise.engine import Engine, GenerationResult, StreamUpdate
 from draftwise.errors import DraftwiseError
+from draftwise.logprobs import TokenLogprob
 from draftwise.models.registry import DEFAULT_MODEL
 from draftwise.prefix_cache import PrefixCache
 
@@ -90,4 +91,4 @@ def engine_for(spec: SpecConfig, target, drafter) -> Engine:
 
 
 __all__ = ["DEFAULT_MODEL", "Draft", "Drafter", "DraftwiseError", "Engine", "GenerationResult", "PrefixCache", "SamplingParams", "SpecConfig",
-           "StreamUpdate", "load"]
+           "StreamUpdate", "TokenLogprob", "load"]

@@ -23,6 +23,9 @@ def _add_generate(subparsers) -> None:
     cmd.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the model's chat template")
     cmd.add_argument("--stream", action="store_true", help="print text as it is generated")
     cmd.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, finish_reason, metrics")
+    cmd.add_argument("--logprobs", type=int, metavar="N",
+                     help="with --json: each generated token's log-probability under the model and the N most "
+                          "probable tokens at its position (0-20); the same numbers with any drafter")
     cmd.add_argument("--quiet", action="store_true", help="no progress bars")
     cmd.set_defaults(handler=_generate)
 
@@ -434,7 +437,21 @@ def _sampling_params(args):
     return SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
         max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), sampling_mode=args.sampling_mode,
+        logprobs=getattr(args, "logprobs", None),  # `generate` only
     )
+
+
+def _with_token_text(result: dict, tokenizer) -> dict:
+    """--json's logprobs with each token's text beside its id."""
+    from draftwise.logprobs import token_text
+
+    def named(entry: dict) -> dict:
+        return {"token": token_text(tokenizer, entry["token_id"]), **entry}
+
+    if "logprobs" in result:
+        result["logprobs"] = [{**named(entry), "top_logprobs": [named(top) for top in entry["top_logprobs"]]}
+                              for entry in result["logprobs"]]
+    return result
 
 
 def chat_drafter(model: str, drafter: str | None) -> str:
@@ -461,6 +478,10 @@ def _chat(args) -> int:
 
 
 def _generate(args) -> int:
+    from draftwise.errors import ConfigError
+
+    if args.logprobs is not None and not args.json:
+        raise ConfigError("--logprobs are printed in the --json output: add --json.")
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     params = _sampling_params(args)
     engine = _load_engine(args)
@@ -471,7 +492,7 @@ def _generate(args) -> int:
             print(update.delta, end="", flush=True)
         result = update.result or result
     if args.json:
-        print(json.dumps(result.to_dict()))
+        print(json.dumps(_with_token_text(result.to_dict(), engine.tokenizer)))
     else:
         if not args.stream:
             print(result.text, end="")

@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from draftwise.errors import ConfigError
+from draftwise.logprobs import MAX_TOP_LOGPROBS
 
 
 SAMPLING_MODES = ("rejection", "coupled")
@@ -33,6 +34,9 @@ class SamplingParams:
     # depends on the draft lengths. Measured side by side, they accept about as many draft
     # tokens (README, "Same seed, same text").
     sampling_mode: str = "coupled"
+    # None: no log-probabilities; n >= 0: each generated token's log-probability under the
+    # model, and the n most probable tokens at its position (draftwise.logprobs; at most 20).
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:
@@ -52,6 +56,9 @@ class SamplingParams:
             raise ConfigError(f"max_new_tokens={self.max_new_tokens} is invalid: it must be at least 1.")
         if self.sampling_mode not in SAMPLING_MODES:
             raise ConfigError(f"sampling_mode={self.sampling_mode!r} is invalid: use one of {', '.join(SAMPLING_MODES)}.")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ConfigError(f"logprobs={self.logprobs} is invalid: give 0 (each token's own log-probability) up to "
+                              f"{MAX_TOP_LOGPROBS} (also that many most probable alternatives), or None for none.")
         if isinstance(self.stop, str):  # a lone string would be iterated character by character
             object.__setattr__(self, "stop", (self.stop,))
         if any(not s for s in self.stop):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -18,6 +18,7 @@ from draftwise.controller import BatchController
 from draftwise.draft_length import DraftLengthPolicy
 from draftwise.drafters.base import Draft, Drafter, empty_draft
 from draftwise.errors import PromptError
+from draftwise.logprobs import TokenLogprob
 from draftwise.metrics import RequestMetrics
 from draftwise.models.loading import LoadedModel
 from draftwise.prefix_cache import PrefixCache
@@ -43,16 +44,25 @@ class GenerationResult:
     token_ids: list[int]  # generated ids; an EOS token that ended generation is not included
     finish_reason: str  # "stop" (EOS or a stop string) or "length"
     metrics: RequestMetrics
+    # One per token of token_ids when SamplingParams.logprobs was set (draftwise.logprobs), else None.
+    logprobs: list[TokenLogprob] | None = None
 
     def to_dict(self) -> dict:
-        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
-                "metrics": self.metrics.to_dict()}
+        out = {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+               "metrics": self.metrics.to_dict()}
+        if self.logprobs is not None:
+            out["logprobs"] = [entry.to_dict() for entry in self.logprobs]
+        return out
 
 
 @dataclass(slots=True)
 class StreamUpdate:
     delta: str  # text that became final since the previous update
     result: GenerationResult | None = None  # set on the last update only
+    # With SamplingParams.logprobs: those of the tokens committed since the previous update (a
+    # token's text may come an update later, while it is held back: an incomplete character or a
+    # possible stop string). All updates' together are result.logprobs.
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 class NoDrafter:
@@ -137,13 +147,16 @@ class Engine:
         if self.draft_length is not None:
             self.draft_length.begin_request()
         seq = self.start(self.encode(prompt), params, self.drafter, self.draft_length)
+        sent = 0  # logprobs already sent
         while not seq.finished:
             run_step(self.target.model, [seq], self.controller, self.hidden_layers, self.prefill_chunk)
             delta = "" if seq.finished else seq.text.delta()  # the final update carries the rest
             if delta:
-                yield StreamUpdate(delta)
+                update = StreamUpdate(delta, logprobs=new_logprobs(seq, sent))
+                sent += len(update.logprobs)
+                yield update
         self.finish(seq)
-        yield StreamUpdate(seq.text.delta(final=True), result_of(seq))
+        yield StreamUpdate(seq.text.delta(final=True), result_of(seq), new_logprobs(seq, sent))
 
     def start(self, prompt_ids: list[int], params: SamplingParams, drafter: Drafter,
               policy: DraftLengthPolicy | None, num_draft_tokens: int | None = None) -> Sequence:
@@ -185,6 +198,11 @@ class Engine:
 def result_of(seq: Sequence) -> GenerationResult:
     if not seq.finished:
         raise AssertionError("the sequence has not finished")
-    return GenerationResult(seq.text.text, seq.text.token_ids, seq.finish_reason, seq.metrics)
+    return GenerationResult(seq.text.text, seq.text.token_ids, seq.finish_reason, seq.metrics, seq.logprobs)
+
+
+def new_logprobs(seq: Sequence, sent: int) -> list[TokenLogprob]:
+    """The sequence's logprobs after the first `sent` ([] where none are asked for)."""
+    return seq.logprobs[sent:] if seq.logprobs is not None else []
 
 

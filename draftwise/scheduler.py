@@ -30,8 +30,9 @@ import torch
 
 from draftwise.config import SamplingParams
 from draftwise.drafters.base import fork_drafter
-from draftwise.engine import Engine, GenerationResult, result_of
+from draftwise.engine import Engine, GenerationResult, new_logprobs, result_of
 from draftwise.errors import DraftwiseError
+from draftwise.logprobs import TokenLogprob
 from draftwise.models.base import Segment, forward_segments
 from draftwise.sequence import Sequence
 from draftwise.step import StepReport, run_step
@@ -53,6 +54,8 @@ class Event:
     num_tokens: int = 0  # tokens committed by the step this delta came from
     result: GenerationResult | None = None  # on the last event of a finished request
     error: Exception | None = None  # the request could not run (bad prompt, shutdown)
+    # With logprobs asked for: those of the tokens committed since the previous event (as Engine.stream's updates).
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -64,6 +67,7 @@ class Request:
     submitted: float = field(default_factory=time.perf_counter)
     sequence: Sequence | None = None
     cancelled: bool = False
+    num_logprobs_sent: int = 0
 
 
 class Scheduler:
@@ -154,7 +158,7 @@ class Scheduler:
                 seq = request.sequence
                 delta = "" if seq.finished else seq.text.delta()
                 if delta:
-                    request.on_event(Event(delta, seq.context.shape[0] - length))
+                    request.on_event(Event(delta, seq.context.shape[0] - length, logprobs=self._logprobs(request)))
             self._retire()
         for request in list(self.waiting) + self.running:  # shutdown: nobody waits forever
             request.on_event(Event(error=DraftwiseError("the server shut down before the request finished.")))
@@ -177,6 +181,13 @@ class Scheduler:
                 continue
             self.running.append(request)
 
+    @staticmethod
+    def _logprobs(request: Request) -> list[TokenLogprob]:
+        """The request's logprobs not yet sent, marked sent."""
+        entries = new_logprobs(request.sequence, request.num_logprobs_sent)
+        request.num_logprobs_sent += len(entries)
+        return entries
+
     def _retire(self) -> None:
         """Finished requests get their result; cancelled ones just leave."""
         still = []
@@ -187,7 +198,7 @@ class Scheduler:
             if seq.finished:
                 self.engine.finish(seq)
                 if seq.finish_reason != "cancelled":
-                    request.on_event(Event(seq.text.delta(final=True), 0, result_of(seq)))
+                    request.on_event(Event(seq.text.delta(final=True), 0, result_of(seq), logprobs=self._logprobs(request)))
                 if self.on_finish is not None:
                     self.on_finish(request)
             else:

@@ -16,6 +16,7 @@ from draftwise.config import SamplingParams
 from draftwise.draft_length import DraftLengthPolicy
 from draftwise.drafters.base import Drafter
 from draftwise.kv_cache import KVCache
+from draftwise.logprobs import TokenLogprob, token_logprob
 from draftwise.metrics import RequestMetrics
 from draftwise.text_stream import TextStream
 
@@ -41,9 +42,12 @@ class Sequence:
     # The hidden-state rows the drafter observed, in context order, kept for a prefix cache
     # (draftwise.prefix_cache) when the drafter reads them; None: not kept.
     hidden_rows: list[torch.Tensor] | None = None
+    # Each output token's log-probability (params.logprobs set), in step with text.token_ids.
+    logprobs: list[TokenLogprob] | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.context = torch.tensor(self.prompt_ids, dtype=torch.long)
+        self.logprobs = [] if self.params.logprobs is not None else None
 
     @property
     def prefilling(self) -> bool:
@@ -60,15 +64,18 @@ class Sequence:
         if self.hidden_rows is not None:
             self.hidden_rows.append(hidden)
 
-    def commit(self, tokens: list[int]) -> None:
+    def commit(self, tokens: list[int], logits: torch.Tensor | None = None) -> None:
         """Append a step's tokens one by one, so that EOS, stop strings and the length limit
-        cut the output at the same place whatever the number of tokens a step produced."""
-        for token in tokens:
+        cut the output at the same place whatever the number of tokens a step produced.
+        logits: the target's row that chose each token [len(tokens), vocab], for logprobs."""
+        for index, token in enumerate(tokens):
             if token in self.eos:
                 self.stop_token = token
                 self.finish("stop")
                 return
             self.context = torch.cat((self.context, torch.tensor([token])))
+            if self.logprobs is not None:
+                self.logprobs.append(token_logprob(logits[index], token, self.params.logprobs))
             if self.text.push(token):
                 self.finish("stop")
                 return

@@ -174,7 +174,7 @@ def _finish_chunk(seq: Sequence, rows: range, logits: torch.Tensor, hidden: torc
     verdict = choose(empty_draft(), logits, seq.params, seq.generator, [len(seq.prompt_ids)])
     seq.metrics.prefill_s = time.perf_counter() - seq.started
     seq.metrics.record_step(0, 0, 1)
-    seq.commit([verdict.next_token])
+    seq.commit([verdict.next_token], logits[-1:])
 
 
 def _verify_and_commit(seq: Sequence, draft: Draft, segment: Segment, logits: torch.Tensor,
@@ -197,14 +197,18 @@ def _verify_and_commit(seq: Sequence, draft: Draft, segment: Segment, logits: to
     # accepted path moves next to the committed tokens.
     seq.cache.keep_path(num_committed, path)
     seq.drafter.rollback(num_committed + verdict.num_accepted)
+    # The committed path's rows: the last committed token's (row 0) and the accepted nodes'. Row
+    # i's logits chose the i-th new token; their hidden states became committed context.
+    committed_rows = [0] + [node + 1 for node in path]
     if hidden is not None:
-        seq.observe(hidden[[0] + [node + 1 for node in path]])  # the newly committed rows
+        seq.observe(hidden[committed_rows])
     metrics = seq.metrics
     metrics.target_forward_s += forward_s
     metrics.verify_s += forward_s + time.perf_counter() - tic
     depth = max(predicted) - num_committed  # how far the draft reached: a chain's length, a tree's depth
     metrics.record_step(num_proposed, verdict.num_accepted, verdict.num_accepted + 1, depth)
-    seq.commit(draft.tokens[path].tolist() + [verdict.next_token])
+    seq.commit(draft.tokens[path].tolist() + [verdict.next_token],
+               logits[committed_rows] if seq.logprobs is not None else None)
 
 
 def choose(draft: Draft, target_logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,

@@ -27,6 +27,17 @@ def test_json_output_contract(smollm2, capsys):
         assert key in payload["metrics"], key
 
 
+def test_json_logprobs_name_each_token_and_match_its_ids(smollm2, capsys):
+    code, out, _ = run(capsys, "generate", "Shopping list:\n1. eggs\n2.", "--max-new-tokens", "8", "--json", "--quiet",
+                       "--logprobs", "2")
+    assert code == 0
+    payload = json.loads(out)
+    entries = payload["logprobs"]
+    assert [entry["token_id"] for entry in entries] == payload["token_ids"]
+    assert "".join(entry["token"] for entry in entries) == payload["text"]
+    assert all(len(entry["top_logprobs"]) == 2 and entry["top_logprobs"][0]["token"] == entry["token"] for entry in entries)
+
+
 def test_generate_prints_text_then_statistics(smollm2, capsys):
     code, out, err = run(capsys, "generate", "Count from one to ten: one, two,", "--max-new-tokens", "10",
                          "--chat", "--stream", "--quiet")
@@ -58,6 +69,8 @@ def test_the_kv_cache_flag_reaches_the_target(smollm2, capsys, monkeypatch):
         (["generate", "hi", "--num-draft-tokens", "0"], "num_draft_tokens=0"),
         (["generate", "hi", "--temperature", "-1"], "temperature=-1"),
         (["generate", "hi", "--top-p", "1.5"], "top_p=1.5"),
+        (["generate", "hi", "--logprobs", "2"], "add --json"),
+        (["generate", "hi", "--logprobs", "21", "--json"], "logprobs=21"),
         (["generate", "hi", "--model", "no-such-model"], "unknown model 'no-such-model'"),
         (["generate", "hi", "--model", "/no/such/folder"], "unknown model"),
         (["generate", "hi", "--drafter", "model"], "--draft-model"),

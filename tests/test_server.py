@@ -134,6 +134,44 @@ def test_a_chats_next_turn_reuses_its_prefix_and_says_so_in_usage(server, client
     assert 0 < _metric(server, "draftwise_prefix_cache_bytes") <= 512 << 20
 
 
+def test_logprobs_through_the_openai_client_are_plain_decodings_whole_or_streamed(server, client, plain):
+    """Chat's logprobs + top_logprobs and completions' logprobs: OpenAI's shapes, the same floats as
+    plain decoding of the same prompt (the server speculates with ngram), their bytes the text."""
+    messages = [PROMPTS[1][0]]  # a code edit: ngram's drafts get accepted
+    expected = plain.generate(messages, SamplingParams(max_new_tokens=40, logprobs=3))
+    chat = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=40, temperature=0,
+                                          logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert [(item.logprob, [top.logprob for top in item.top_logprobs]) for item in content] == \
+        [(entry.logprob, [logprob for _, logprob in entry.top]) for entry in expected.logprobs]
+    assert bytes(b for item in content for b in item.bytes).decode() == chat.choices[0].message.content
+    assert all(item.top_logprobs[0].token == item.token for item in content)  # greedy: the top token
+    assert chat.usage.model_extra["speculative"]["accepted_tokens"] > 0
+
+    chunks = list(client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=40, temperature=0,
+                                                 logprobs=True, top_logprobs=3, stream=True))
+    streamed = [item for c in chunks if c.choices and c.choices[0].logprobs for item in c.choices[0].logprobs.content]
+    assert [item.model_dump() for item in streamed] == [item.model_dump() for item in content]
+    plain_chat = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=4, temperature=0)
+    assert plain_chat.choices[0].logprobs is None  # not asked: none
+
+    prompt = PROMPTS[2]
+    expected = plain.generate(prompt, SamplingParams(max_new_tokens=24, logprobs=2))
+    completion = client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=24, temperature=0, logprobs=2)
+    logprobs = completion.choices[0].logprobs
+    assert logprobs.token_logprobs == [entry.logprob for entry in expected.logprobs]
+    assert "".join(logprobs.tokens) == completion.choices[0].text  # ASCII code: each token's text is whole
+    assert logprobs.text_offset == [len("".join(logprobs.tokens[:i])) for i in range(len(logprobs.tokens))]
+    assert all(top[token] == logprob and len(top) in (2, 3)
+               for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs))
+    chunks = list(client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=24, temperature=0,
+                                            logprobs=2, stream=True))
+    pieces = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert len(pieces) > 1
+    assert [value for piece in pieces for value in piece.token_logprobs] == logprobs.token_logprobs
+    assert [value for piece in pieces for value in piece.text_offset] == logprobs.text_offset
+
+
 def _jobs():
     """16 requests: all twelve prompts plus four, with different output lengths."""
     return [(PROMPTS[i % len(PROMPTS)], 12 + 6 * (i % 5)) for i in range(16)]
@@ -236,7 +274,10 @@ BAD_INPUTS = [
     ("wrong model", {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}, {}, 404, "gpt-4o"),
     ("bad speculative", {"messages": [{"role": "user", "content": "hi"}], "speculative": {"num_draft_tokens": -1}}, {},
      400, "num_draft_tokens"),
-    ("logprobs", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, {}, 400, "logprobs"),
+    ("top_logprobs > 20", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, {},
+     400, "top_logprobs"),
+    ("top_logprobs without logprobs", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, {}, 400,
+     "top_logprobs needs logprobs: true"),
     # fields that would change the answer, not implemented: refused by name, never ignored
     ("frequency_penalty", {"messages": [{"role": "user", "content": "hi"}], "frequency_penalty": 1.0}, {}, 400,
      "frequency_penalty is not supported"),

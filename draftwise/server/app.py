@@ -28,7 +28,8 @@ from draftwise.engine import Engine
 from draftwise.errors import DraftwiseError
 from draftwise.scheduler import DEFAULT_MAX_TOKENS, Event, QueueFull, Request, Scheduler
 from draftwise.server.metrics import ServerMetrics
-from draftwise.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, error_body, usage
+from draftwise.server.protocol import (ChatCompletionRequest, CompletionRequest, SamplingFields, TextOffsets,
+                                       chat_logprobs, completion_logprobs, error_body, usage)
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +173,8 @@ def create_app(engine: Engine, scheduler: Scheduler, settings: ServerSettings = 
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except DraftwiseError as error:
             raise APIError(503, str(error), "server_error") from None
-        answer = Answer(kind, served, job, events, arrived, settings.request_timeout_s, metrics)
+        answer = Answer(kind, served, job, events, arrived, settings.request_timeout_s, metrics,
+                        engine.tokenizer if params.logprobs is not None else None)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(answer.stream(scheduler, include_usage), media_type="text/event-stream",
@@ -194,8 +196,11 @@ class Answer:
     """Turns a request's scheduler events into an OpenAI response, whole or streamed."""
 
     def __init__(self, kind: str, model: str, job: Request, events: asyncio.Queue, arrived: float, timeout_s: float,
-                 metrics: ServerMetrics) -> None:
+                 metrics: ServerMetrics, tokenizer=None) -> None:
+        """tokenizer: where the request asked for logprobs (their tokens' text), else None."""
         self.kind, self.model, self.job, self.events = kind, model, job, events
+        self.tokenizer = tokenizer
+        self.offsets = TextOffsets(tokenizer) if tokenizer is not None and kind == "text" else None
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.deadline = arrived + timeout_s
@@ -238,24 +243,36 @@ class Answer:
             if event.result is not None:
                 return "".join(pieces), event.result
 
-    def final(self, text: str, result) -> dict:
+    def _logprobs(self, entries) -> dict | None:
+        """A choice's `logprobs` for these tokens (None where the request asked for none)."""
+        if self.tokenizer is None:
+            return None
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            return chat_logprobs(entries, self.tokenizer)
+        return completion_logprobs(entries, self.tokenizer, self.offsets)
+
+    def final(self, text: str, result) -> dict:
+        logprobs = self._logprobs(result.logprobs or [])
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                       "finish_reason": result.finish_reason}
             kind = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": result.finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": result.finish_reason}
             kind = "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": [choice],
                 "usage": usage(result.metrics)}
 
-    def _chunk(self, delta: str | None, finish_reason: str | None = None, first: bool = False) -> dict:
+    def _chunk(self, delta: str | None, finish_reason: str | None = None, first: bool = False,
+               logprobs: list | None = None) -> dict:
+        """A streamed chunk; logprobs: those of the tokens committed since the previous chunk."""
+        lp = self._logprobs(logprobs) if logprobs else None
         if self.kind == "chat":
             content = {"role": "assistant", "content": ""} if first else ({} if delta is None else {"content": delta})
-            choice = {"index": 0, "delta": content, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": content, "logprobs": lp, "finish_reason": finish_reason}
             kind = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": delta or "", "logprobs": lp, "finish_reason": finish_reason}
             kind = "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": [choice]}
 
@@ -271,10 +288,11 @@ class Answer:
                     yield _sse(error_body(error.message, error.type, error.param, error.code))
                     break
                 if event.delta:
-                    yield _sse(self._chunk(event.delta))
+                    yield _sse(self._chunk(event.delta, logprobs=event.logprobs))
                 if event.result is not None:
                     finished = True
-                    yield _sse(self._chunk(None, event.result.finish_reason))
+                    yield _sse(self._chunk(None, event.result.finish_reason,
+                                           logprobs=None if event.delta else event.logprobs))
                     if include_usage:
                         yield _sse({"id": self.id, "object": self._chunk(None)["object"], "created": self.created,
                                     "model": self.model, "choices": [], "usage": usage(event.result.metrics)})

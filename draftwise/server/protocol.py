@@ -3,16 +3,20 @@
 Fields follow OpenAI's API reference; unknown fields are ignored as OpenAI does. Extensions:
 top_k, min_p and `speculative` (per-request draft ceiling, or "off") in requests, and
 usage.speculative in answers (draft tokens proposed/accepted, acceptance rate, mean accepted
-length, per-position acceptance), where OpenAI clients see it.
+length, per-position acceptance), where OpenAI clients see it. Log-probabilities (chat's
+logprobs + top_logprobs, completions' logprobs) are the model's (draftwise.logprobs): the same
+numbers with speculation as without.
 """
 
 from __future__ import annotations
 
+import codecs
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from draftwise.config import SamplingParams
+from draftwise.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_bytes
 from draftwise.metrics import RequestMetrics
 
 MAX_STOP_STRINGS = 16
@@ -20,7 +24,6 @@ MAX_STOP_STRINGS = 16
 # their neutral values only, since ignoring e.g. frequency_penalty=1.0 would answer another
 # request than the one sent (a 400 names the field instead). Unknown fields are still ignored.
 NEUTRAL_ONLY = {
-    "logprobs": (None, 0), "top_logprobs": (None, 0),  # logprobs=false passes: False == 0
     "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
     "logit_bias": (None, {}), "response_format": (None, {"type": "text"}),
     "tools": (None, []), "functions": (None, []), "best_of": (None, 1), "suffix": (None, ""),
@@ -60,8 +63,6 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1)
-    logprobs: bool | int | None = None
-    top_logprobs: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -81,7 +82,7 @@ class SamplingFields(BaseModel):
             raise ValueError("n > 1 is not supported: send n separate requests (each may carry its own seed)")
         return n
 
-    @field_validator("logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
+    @field_validator("presence_penalty", "frequency_penalty", "repetition_penalty",
                      "logit_bias", "response_format", "tools", "functions")
     @classmethod
     def _only_neutral(cls, value, info):
@@ -100,6 +101,10 @@ class SamplingFields(BaseModel):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def num_logprobs(self) -> int | None:
+        """How many alternatives each token's logprobs lists (None: no logprobs)."""
+        return None
+
     def num_draft_tokens(self) -> int | None:
         """This request's draft ceiling: None = the server's, 0 = off."""
         if self.speculative == "off":
@@ -110,7 +115,7 @@ class SamplingFields(BaseModel):
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
                               seed=self.seed, max_new_tokens=max_new_tokens, stop=stop,
-                              sampling_mode=self.sampling_mode or default_mode)
+                              sampling_mode=self.sampling_mode or default_mode, logprobs=self.num_logprobs())
 
 
 class TextPart(BaseModel):
@@ -132,6 +137,17 @@ class Message(BaseModel):
 class ChatCompletionRequest(SamplingFields):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -143,6 +159,8 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str]
+    # logprobs=n: each token's log-probability and the n most probable tokens at its position
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -169,6 +187,9 @@ class CompletionRequest(SamplingFields):
     def text(self) -> str:
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
 
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
 
 def usage(metrics: RequestMetrics) -> dict:
     """OpenAI's usage object plus draftwise's speculation statistics."""
@@ -186,6 +207,53 @@ def usage(metrics: RequestMetrics) -> dict:
             "target_forwards": metrics.num_target_forwards,
         },
     }
+
+
+def chat_logprobs(entries: list[TokenLogprob], tokenizer) -> dict:
+    """A chat choice's (or chunk's) `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    def item(token_id: int, logprob: float) -> dict:
+        raw = token_bytes(tokenizer, token_id)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+    return {"content": [{**item(entry.token_id, entry.logprob), "top_logprobs": [item(*top) for top in entry.top]}
+                        for entry in entries], "refusal": None}
+
+
+class TextOffsets:
+    """Where each token of a completion starts in its text, in characters (completions'
+    `text_offset`), fed token by token: its bytes through an incremental UTF-8 decoder, so a
+    character split between tokens counts once, when complete. Special tokens add no text (the
+    text skips them)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.special = set(tokenizer.all_special_ids)
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.offset = 0
+
+    def next(self, token_id: int) -> int:
+        """This token's offset; then move past it."""
+        start = self.offset
+        if token_id not in self.special:
+            self.offset += len(self.decoder.decode(token_bytes(self.tokenizer, token_id)))
+        return start
+
+
+def completion_logprobs(entries: list[TokenLogprob], tokenizer, offsets: TextOffsets) -> dict:
+    """A completion choice's (or chunk's) `logprobs`: tokens, token_logprobs, top_logprobs (the
+    most probable tokens' text -> logprob, with the chosen token's always among them, as OpenAI
+    does) and text_offset."""
+    def text(token_id: int) -> str:
+        return token_bytes(tokenizer, token_id).decode("utf-8", errors="replace")
+
+    tops = []
+    for entry in entries:
+        top = {text(token_id): logprob for token_id, logprob in entry.top}
+        top.setdefault(text(entry.token_id), entry.logprob)
+        tops.append(top)
+    return {"tokens": [text(entry.token_id) for entry in entries],
+            "token_logprobs": [entry.logprob for entry in entries],
+            "top_logprobs": tops, "text_offset": [offsets.next(entry.token_id) for entry in entries]}
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
