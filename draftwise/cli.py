@@ -26,6 +26,9 @@ def _add_generate(subparsers) -> None:
     cmd.add_argument("--logprobs", type=int, metavar="N",
                      help="with --json: each generated token's log-probability under the model and the N most "
                           "probable tokens at its position (0-20); the same numbers with any drafter")
+    cmd.add_argument("--prompt-logprobs", type=int, metavar="N",
+                     help="with --json: the same for the prompt's tokens, each given those before it (scoring a "
+                          "text; --max-new-tokens 0 then generates nothing)")
     cmd.add_argument("--quiet", action="store_true", help="no progress bars")
     cmd.set_defaults(handler=_generate)
 
@@ -437,20 +440,21 @@ def _sampling_params(args):
     return SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
         max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), sampling_mode=args.sampling_mode,
-        logprobs=getattr(args, "logprobs", None),  # `generate` only
+        logprobs=getattr(args, "logprobs", None), prompt_logprobs=getattr(args, "prompt_logprobs", None),  # `generate` only
     )
 
 
 def _with_token_text(result: dict, tokenizer) -> dict:
-    """--json's logprobs with each token's text beside its id."""
+    """--json's logprobs (and prompt_logprobs) with each token's text beside its id."""
     from draftwise.logprobs import token_text
 
     def named(entry: dict) -> dict:
         return {"token": token_text(tokenizer, entry["token_id"]), **entry}
 
-    if "logprobs" in result:
-        result["logprobs"] = [{**named(entry), "top_logprobs": [named(top) for top in entry["top_logprobs"]]}
-                              for entry in result["logprobs"]]
+    for key in ("logprobs", "prompt_logprobs"):
+        if key in result:
+            result[key] = [entry and {**named(entry), "top_logprobs": [named(top) for top in entry["top_logprobs"]]}
+                           for entry in result[key]]
     return result
 
 
@@ -480,8 +484,9 @@ def _chat(args) -> int:
 def _generate(args) -> int:
     from draftwise.errors import ConfigError
 
-    if args.logprobs is not None and not args.json:
-        raise ConfigError("--logprobs are printed in the --json output: add --json.")
+    for flag, value in (("--logprobs", args.logprobs), ("--prompt-logprobs", args.prompt_logprobs)):
+        if value is not None and not args.json:
+            raise ConfigError(f"{flag} are printed in the --json output: add --json.")
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     params = _sampling_params(args)
     engine = _load_engine(args)

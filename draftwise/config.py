@@ -37,6 +37,9 @@ class SamplingParams:
     # None: no log-probabilities; n >= 0: each generated token's log-probability under the
     # model, and the n most probable tokens at its position (draftwise.logprobs; at most 20).
     logprobs: int | None = None
+    # The same for the PROMPT's tokens, each given the ones before it (the first has none):
+    # scoring a text. With it, max_new_tokens=0 scores the prompt and generates nothing.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:
@@ -52,13 +55,16 @@ class SamplingParams:
             raise ConfigError(f"min_p={self.min_p} is invalid: it must be in [0, 1); 0 disables it.")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise ConfigError(f"seed={self.seed} is invalid: it must fit in 64 bits (-2**63 .. 2**64 - 1).")
-        if self.max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens={self.max_new_tokens} is invalid: it must be at least 1.")
+        if self.max_new_tokens < (0 if self.prompt_logprobs is not None else 1):
+            raise ConfigError(f"max_new_tokens={self.max_new_tokens} is invalid: it must be at least 1 (0 only scores "
+                              "a prompt: with prompt_logprobs set).")
         if self.sampling_mode not in SAMPLING_MODES:
             raise ConfigError(f"sampling_mode={self.sampling_mode!r} is invalid: use one of {', '.join(SAMPLING_MODES)}.")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise ConfigError(f"logprobs={self.logprobs} is invalid: give 0 (each token's own log-probability) up to "
-                              f"{MAX_TOP_LOGPROBS} (also that many most probable alternatives), or None for none.")
+        for name in ("logprobs", "prompt_logprobs"):
+            count = getattr(self, name)
+            if count is not None and not 0 <= count <= MAX_TOP_LOGPROBS:
+                raise ConfigError(f"{name}={count} is invalid: give 0 (each token's own log-probability) up to "
+                                  f"{MAX_TOP_LOGPROBS} (also that many most probable alternatives), or None for none.")
         if isinstance(self.stop, str):  # a lone string would be iterated character by character
             object.__setattr__(self, "stop", (self.stop,))
         if any(not s for s in self.stop):

@@ -27,7 +27,7 @@ from draftwise.sequence import Sequence
 from draftwise.step import run_step
 from draftwise.text_stream import TextStream
 
-Prompt = str | list[dict[str, str]]  # raw text, or chat messages [{"role": ..., "content": ...}]
+Prompt = str | list[dict[str, str]] | list[int]  # raw text, chat messages [{"role": ..., "content": ...}], or token ids
 
 # On AMX tiles a long prompt prefills in forwards of at most this many tokens: the products cost
 # so little there that a whole long prompt's forward is bound by its own intermediate tensors
@@ -46,12 +46,16 @@ class GenerationResult:
     metrics: RequestMetrics
     # One per token of token_ids when SamplingParams.logprobs was set (draftwise.logprobs), else None.
     logprobs: list[TokenLogprob] | None = None
+    # One per prompt token when SamplingParams.prompt_logprobs was set (None for the first), else None.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def to_dict(self) -> dict:
         out = {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
                "metrics": self.metrics.to_dict()}
         if self.logprobs is not None:
             out["logprobs"] = [entry.to_dict() for entry in self.logprobs]
+        if self.prompt_logprobs is not None:
+            out["prompt_logprobs"] = [entry and entry.to_dict() for entry in self.prompt_logprobs]
         return out
 
 
@@ -115,11 +119,19 @@ class Engine:
         return self.target.tokenizer
 
     def encode(self, prompt: Prompt) -> list[int]:
-        """Token ids of a raw prompt, or of chat messages rendered by the model's chat template."""
+        """Token ids of a raw prompt, or of chat messages rendered by the model's chat template;
+        token ids are taken as they are (checked against the vocabulary)."""
+        if isinstance(prompt, (list, tuple)) and prompt and all(type(token) is int for token in prompt):
+            vocab_size = self.target.model.info.vocab_size
+            if not all(0 <= token < vocab_size for token in prompt):
+                bad = next(token for token in prompt if not 0 <= token < vocab_size)
+                raise PromptError(f"token id {bad} is outside {self.target.model.info.name}'s vocabulary of "
+                                  f"{vocab_size}: give ids from 0 to {vocab_size - 1}.")
+            return list(prompt)
         is_chat = isinstance(prompt, (list, tuple)) and all(isinstance(message, dict) for message in prompt)
         if not isinstance(prompt, str) and not is_chat:
-            raise PromptError("a prompt is a string or a list of chat messages ({'role': ..., 'content': ...}), "
-                              f"not {type(prompt).__name__} {str(prompt)[:40]!r}.")
+            raise PromptError("a prompt is a string, a list of chat messages ({'role': ..., 'content': ...}) or a "
+                              f"list of token ids, not {type(prompt).__name__} {str(prompt)[:40]!r}.")
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise PromptError("the prompt is empty: give some text to continue.")
@@ -186,7 +198,8 @@ class Engine:
                        RequestMetrics(num_prompt_tokens=len(prompt_ids)))
         if self.prefix_cache is not None:
             seq.hidden_rows = [] if self.hidden_layers else None
-            self.prefix_cache.start(seq)
+            if seq.prompt_logprobs is None:  # scoring the prompt needs every row's logits: prefill it all
+                self.prefix_cache.start(seq)
         return seq
 
     def finish(self, seq: Sequence) -> None:
@@ -198,7 +211,8 @@ class Engine:
 def result_of(seq: Sequence) -> GenerationResult:
     if not seq.finished:
         raise AssertionError("the sequence has not finished")
-    return GenerationResult(seq.text.text, seq.text.token_ids, seq.finish_reason, seq.metrics, seq.logprobs)
+    return GenerationResult(seq.text.text, seq.text.token_ids, seq.finish_reason, seq.metrics, seq.logprobs,
+                            seq.prompt_logprobs)
 
 
 def new_logprobs(seq: Sequence, sent: int) -> list[TokenLogprob]:

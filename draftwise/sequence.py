@@ -44,10 +44,19 @@ class Sequence:
     hidden_rows: list[torch.Tensor] | None = None
     # Each output token's log-probability (params.logprobs set), in step with text.token_ids.
     logprobs: list[TokenLogprob] | None = field(init=False)
+    # Each prompt token's, given the ones before it (params.prompt_logprobs set); None for the first.
+    prompt_logprobs: list[TokenLogprob | None] | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.context = torch.tensor(self.prompt_ids, dtype=torch.long)
         self.logprobs = [] if self.params.logprobs is not None else None
+        self.prompt_logprobs = [None] if self.params.prompt_logprobs is not None else None
+
+    def observe_prompt(self, rows: range, logits: torch.Tensor) -> None:
+        """A prefilled chunk's logits [len(rows), vocab]: row j predicts prompt token rows.start + j + 1."""
+        count = self.params.prompt_logprobs
+        for j, position in enumerate(range(rows.start + 1, min(rows.stop + 1, len(self.prompt_ids)))):
+            self.prompt_logprobs.append(token_logprob(logits[j], self.prompt_ids[position], count))
 
     @property
     def prefilling(self) -> bool:

@@ -27,6 +27,12 @@ from draftwise.sequence import Sequence
 from draftwise.verify import Verdict, verify_greedy, verify_rejection, verify_tree_greedy, verify_tree_rejection
 
 
+# The most prompt tokens a step prefills for a request that scores its prompt (prompt_logprobs):
+# each row's logits are kept, [rows, vocab] float32, 155 MB for 256 rows of Qwen2.5's 152k
+# vocabulary. Chunks compute what one forward would (batch invariance): the same numbers.
+SCORED_PREFILL_CHUNK = 256
+
+
 @dataclass(slots=True)
 class StepReport:
     """What one step did, for the server's metrics and the controller's observability."""
@@ -51,7 +57,10 @@ def run_step(model, sequences: list[Sequence], controller: BatchController | Non
     budget = prefill_budget
     for seq in live:
         if seq.prefilling and (budget is None or budget > 0):
-            rows = _prefill_rows(seq, prefill_chunk if budget is None else min(budget, prefill_chunk or budget))
+            chunk = prefill_chunk if budget is None else min(budget, prefill_chunk or budget)
+            if seq.prompt_logprobs is not None:  # every row's logits are kept: bounded chunks bound their memory
+                chunk = min(chunk or SCORED_PREFILL_CHUNK, SCORED_PREFILL_CHUNK)
+            rows = _prefill_rows(seq, chunk)
             chunks[id(seq)] = rows
             if budget is not None:
                 budget -= len(rows)
@@ -77,8 +86,10 @@ def run_step(model, sequences: list[Sequence], controller: BatchController | Non
         if seq.prefilling:
             rows = chunks[id(seq)]
             last = rows.stop == len(seq.prompt_ids)
+            scores_prompt = seq.prompt_logprobs is not None  # then every row's logits, else the last's
             segments.append(Segment(torch.tensor(seq.prompt_ids[rows.start:rows.stop], dtype=torch.long),
-                                    torch.arange(rows.start, rows.stop), seq.cache, None, 1 if last else 0))
+                                    torch.arange(rows.start, rows.stop), seq.cache, None,
+                                    len(rows) if scores_prompt else 1 if last else 0))
         else:
             draft = drafts[len(draft_of)]
             segment = _decode_segment(seq, draft)
@@ -168,9 +179,16 @@ def _finish_chunk(seq: Sequence, rows: range, logits: torch.Tensor, hidden: torc
     """A prompt chunk is in the cache; after the last one, the target picks the first token."""
     if hidden is not None:
         seq.observe(hidden)  # prompt rows: all of them are committed context
+    if seq.prompt_logprobs is not None:
+        seq.observe_prompt(rows, logits)
     seq.num_prefilled = rows.stop
     if seq.prefilling:
         return
+    if seq.params.max_new_tokens == 0:  # scoring the prompt only
+        seq.metrics.prefill_s = time.perf_counter() - seq.started
+        seq.finish("length")
+        return
+    logits = logits[-1:]
     verdict = choose(empty_draft(), logits, seq.params, seq.generator, [len(seq.prompt_ids)])
     seq.metrics.prefill_s = time.perf_counter() - seq.started
     seq.metrics.record_step(0, 0, 1)

@@ -36,6 +36,14 @@ def test_json_logprobs_name_each_token_and_match_its_ids(smollm2, capsys):
     assert [entry["token_id"] for entry in entries] == payload["token_ids"]
     assert "".join(entry["token"] for entry in entries) == payload["text"]
     assert all(len(entry["top_logprobs"]) == 2 and entry["top_logprobs"][0]["token"] == entry["token"] for entry in entries)
+    # Scoring the same text as a prompt: its tokens' numbers are the ones generation reported.
+    code, out, _ = run(capsys, "generate", "Shopping list:\n1. eggs\n2." + payload["text"], "--max-new-tokens", "0",
+                       "--json", "--quiet", "--prompt-logprobs", "0")
+    scored = json.loads(out)
+    assert code == 0 and scored["text"] == "" and scored["prompt_logprobs"][0] is None
+    tail = scored["prompt_logprobs"][-len(entries):]
+    if [entry["token_id"] for entry in tail] == payload["token_ids"]:  # the text re-tokenizes as generated
+        assert [entry["logprob"] for entry in tail] == [entry["logprob"] for entry in entries]
 
 
 def test_generate_prints_text_then_statistics(smollm2, capsys):
@@ -71,6 +79,7 @@ def test_the_kv_cache_flag_reaches_the_target(smollm2, capsys, monkeypatch):
         (["generate", "hi", "--top-p", "1.5"], "top_p=1.5"),
         (["generate", "hi", "--logprobs", "2"], "add --json"),
         (["generate", "hi", "--logprobs", "21", "--json"], "logprobs=21"),
+        (["generate", "hi", "--max-new-tokens", "0"], "0 only scores a prompt"),
         (["generate", "hi", "--model", "no-such-model"], "unknown model 'no-such-model'"),
         (["generate", "hi", "--model", "/no/such/folder"], "unknown model"),
         (["generate", "hi", "--drafter", "model"], "--draft-model"),

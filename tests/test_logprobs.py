@@ -30,9 +30,9 @@ def engines():
             for name in ("none", "ngram", "eagle", "medusa")}
 
 
-def _reference(engine: Engine, prompt, token_ids: list[int]) -> list[float]:
+def _reference(engine: Engine, prompt_ids: list[int], token_ids: list[int]) -> list[float]:
     """Each output token's log-probability from ONE forward over prompt + output."""
-    ids = engine.encode(prompt) + token_ids
+    ids = prompt_ids + token_ids
     model = engine.target.model
     logits = model.forward(torch.tensor(ids), torch.arange(len(ids)), model.new_cache(len(ids) + 1))
     start = len(ids) - len(token_ids) - 1  # the row that predicts the first output token
@@ -44,7 +44,7 @@ def test_greedy_logprobs_are_the_same_floats_with_every_drafter_and_equal_one_fo
     plain = engines["none"].generate(prompt, max_new_tokens=40, logprobs=4)
     assert len(plain.logprobs) == len(plain.token_ids) > 0
     assert [entry.token_id for entry in plain.logprobs] == plain.token_ids
-    assert [entry.logprob for entry in plain.logprobs] == _reference(engines["none"], prompt, plain.token_ids)
+    assert [entry.logprob for entry in plain.logprobs] == _reference(engines["none"], engines["none"].encode(prompt), plain.token_ids)
     accepted = 0
     for name in ("ngram", "eagle", "medusa"):
         result = engines[name].generate(prompt, max_new_tokens=40, logprobs=4)
@@ -65,7 +65,7 @@ def test_seeded_sampling_reports_the_models_logprobs_of_the_sampled_tokens_whate
         result = engines[name].generate(PROMPTS[0], params)
         assert result.token_ids == plain.token_ids and result.logprobs == plain.logprobs, name
     # The raw model's numbers, not the sampler's: temperature and top-p do not enter them.
-    assert [entry.logprob for entry in plain.logprobs] == _reference(engines["none"], PROMPTS[0], plain.token_ids)
+    assert [entry.logprob for entry in plain.logprobs] == _reference(engines["none"], engines["none"].encode(PROMPTS[0]), plain.token_ids)
     assert any(entry.token_id != entry.top[0][0] for entry in plain.logprobs)  # it sampled, not argmaxed
 
 
@@ -115,3 +115,34 @@ def test_token_bytes_join_into_the_text_even_across_a_split_character(request, t
     assert b"".join(pieces).decode() == text
     if tokenizer_fixture != "gemma_tokenizer":
         assert any(piece.decode("utf-8", errors="replace") == "\ufffd" * len(piece) for piece in pieces)
+
+
+def test_prompt_logprobs_score_a_text_as_one_forward_does_in_chunks_and_with_nothing_generated(engines, smollm2):
+    """prompt_logprobs: each prompt token's log-probability given those before it (the first has
+    none), the numbers one forward over the text computes, whether the prompt is prefilled whole
+    or in 16-token chunks beside other requests; max_new_tokens=0 scores without generating."""
+    engine = engines["eagle"]
+    text = PROMPTS[2] + "    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
+    ids = engine.encode(text)
+    scored = engine.generate(text, max_new_tokens=0, prompt_logprobs=2)
+    assert scored.token_ids == [] and scored.text == "" and scored.finish_reason == "length"
+    entries = scored.prompt_logprobs
+    assert len(entries) == len(ids) and entries[0] is None
+    assert [entry.token_id for entry in entries[1:]] == ids[1:]
+    assert [entry.logprob for entry in entries[1:]] == _reference(engine, ids[0:1], ids[1:])
+    assert all(len(entry.top) == 2 for entry in entries[1:])
+    # The model finds its own code likely: most of the function's tokens are its first choice.
+    assert sum(entry.top[0][0] == entry.token_id for entry in entries[1:]) > len(ids) // 2
+
+    generated = engine.generate(text, max_new_tokens=6, prompt_logprobs=2, logprobs=0)
+    assert generated.prompt_logprobs == entries and len(generated.logprobs) == len(generated.token_ids) == 6
+
+    plain = Engine(smollm2)
+    params = SamplingParams(max_new_tokens=3, prompt_logprobs=1)
+    alone = plain.generate(text, params)
+    jobs = [(text, params, NoDrafter(), None), (PROMPTS[0], SamplingParams(max_new_tokens=12), NoDrafter(), None)]
+    chunked = _decode_together(plain, jobs, join_steps=[1, 0], prefill_chunk=16)[0]
+    assert chunked.prompt_logprobs == alone.prompt_logprobs
+    assert [e.logprob for e in alone.prompt_logprobs[1:]] == _reference(plain, ids[0:1], ids[1:])
+    with pytest.raises(ConfigError, match="0 only scores"):
+        SamplingParams(max_new_tokens=0)

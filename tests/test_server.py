@@ -172,6 +172,41 @@ def test_logprobs_through_the_openai_client_are_plain_decodings_whole_or_streame
     assert [value for piece in pieces for value in piece.text_offset] == logprobs.text_offset
 
 
+def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(server, client, plain):
+    """What lm-evaluation-harness's completions model sends for a log-likelihood (prompt as token
+    ids or text, echo, logprobs=1, max_tokens 1 or 0): the prompt's tokens' logprobs (null for the
+    first), the same numbers as scoring it in Python, then the generated token's."""
+    text = "Question: What is the capital of France?\nAnswer: Paris"
+    ids = plain.encode(text)
+    scored = plain.generate(ids, SamplingParams(max_new_tokens=1, logprobs=1, prompt_logprobs=1))
+    for prompt in (ids, text):
+        completion = client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=1, temperature=0,
+                                               echo=True, logprobs=1)
+        choice = completion.choices[0]
+        assert choice.text == text + scored.text
+        logprobs = choice.logprobs
+        assert logprobs.token_logprobs == [None] + [e.logprob for e in scored.prompt_logprobs[1:]] + \
+            [scored.logprobs[0].logprob]
+        assert logprobs.top_logprobs[0] is None and "".join(logprobs.tokens) == choice.text
+        assert logprobs.text_offset[-1] == len(text)  # the generated token starts where the prompt ends
+        assert completion.usage.prompt_tokens == len(ids) and completion.usage.completion_tokens == 1
+    only = client.completions.create(model="smollm2-135m", prompt=text, max_tokens=0, echo=True, logprobs=0)
+    assert only.choices[0].text == text and only.usage.completion_tokens == 0
+    assert only.choices[0].logprobs.token_logprobs == logprobs.token_logprobs[:-1]
+    chunks = list(client.completions.create(model="smollm2-135m", prompt=text, max_tokens=4, temperature=0, echo=True,
+                                            logprobs=1, stream=True))
+    assert chunks[0].choices[0].text == text
+    streamed = [value for c in chunks if c.choices and c.choices[0].logprobs for value in c.choices[0].logprobs.token_logprobs]
+    assert streamed[:len(ids)] == logprobs.token_logprobs[:-1] and len(streamed) == len(ids) + 4
+
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    for body, words in [({"prompt": text, "max_tokens": 0}, "max_tokens=0 generates nothing"),
+                        ({"prompt": [5, 10**7], "max_tokens": 2}, "outside"),
+                        ({"prompt": [[1, 2], [3]], "max_tokens": 2}, "one prompt per request")]:
+        response = httpx.post(server.url + "/v1/completions", headers=headers, timeout=60, json=body)
+        assert response.status_code == 400 and words in response.json()["error"]["message"], response.text
+
+
 def _jobs():
     """16 requests: all twelve prompts plus four, with different output lengths."""
     return [(PROMPTS[i % len(PROMPTS)], 12 + 6 * (i % 5)) for i in range(16)]

@@ -174,7 +174,8 @@ def create_app(engine: Engine, scheduler: Scheduler, settings: ServerSettings = 
         except DraftwiseError as error:
             raise APIError(503, str(error), "server_error") from None
         answer = Answer(kind, served, job, events, arrived, settings.request_timeout_s, metrics,
-                        engine.tokenizer if params.logprobs is not None else None)
+                        engine.tokenizer if params.logprobs is not None else None,
+                        _echo(prompt, engine.tokenizer) if kind == "text" and body.echo else None)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(answer.stream(scheduler, include_usage), media_type="text/event-stream",
@@ -196,10 +197,12 @@ class Answer:
     """Turns a request's scheduler events into an OpenAI response, whole or streamed."""
 
     def __init__(self, kind: str, model: str, job: Request, events: asyncio.Queue, arrived: float, timeout_s: float,
-                 metrics: ServerMetrics, tokenizer=None) -> None:
-        """tokenizer: where the request asked for logprobs (their tokens' text), else None."""
+                 metrics: ServerMetrics, tokenizer=None, echo: str | None = None) -> None:
+        """tokenizer: where the request asked for logprobs (their tokens' text), else None. echo:
+        a completion's prompt, where the answer starts with it (and its tokens' logprobs)."""
         self.kind, self.model, self.job, self.events = kind, model, job, events
         self.tokenizer = tokenizer
+        self.echo = echo
         self.offsets = TextOffsets(tokenizer) if tokenizer is not None and kind == "text" else None
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
@@ -243,16 +246,29 @@ class Answer:
             if event.result is not None:
                 return "".join(pieces), event.result
 
-    def _logprobs(self, entries) -> dict | None:
-        """A choice's `logprobs` for these tokens (None where the request asked for none)."""
+    def _logprobs(self, entries: list, token_ids: list[int] | None = None) -> dict | None:
+        """A choice's `logprobs` for these tokens (None where the request asked for none);
+        token_ids: where an entry may be None (an echoed prompt's first token)."""
         if self.tokenizer is None:
             return None
         if self.kind == "chat":
             return chat_logprobs(entries, self.tokenizer)
-        return completion_logprobs(entries, self.tokenizer, self.offsets)
+        token_ids = [entry.token_id for entry in entries] if token_ids is None else token_ids
+        return completion_logprobs(token_ids, entries, self.tokenizer, self.offsets)
+
+    def _echoed_prompt(self) -> tuple[list[int], list]:
+        """The prompt's token ids and logprobs, once it is prefilled (after the first event)."""
+        seq = self.job.sequence
+        return seq.prompt_ids, seq.prompt_logprobs or [None] * len(seq.prompt_ids)
 
     def final(self, text: str, result) -> dict:
-        logprobs = self._logprobs(result.logprobs or [])
+        if self.echo is not None:
+            ids, entries = self._echoed_prompt()
+            generated = result.logprobs or []
+            logprobs = self._logprobs(entries + generated, ids + [entry.token_id for entry in generated])
+            text = self.echo + text
+        else:
+            logprobs = self._logprobs(result.logprobs or [])
         if self.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                       "finish_reason": result.finish_reason}
@@ -264,9 +280,9 @@ class Answer:
                 "usage": usage(result.metrics)}
 
     def _chunk(self, delta: str | None, finish_reason: str | None = None, first: bool = False,
-               logprobs: list | None = None) -> dict:
+               logprobs: list | None = None, token_ids: list[int] | None = None) -> dict:
         """A streamed chunk; logprobs: those of the tokens committed since the previous chunk."""
-        lp = self._logprobs(logprobs) if logprobs else None
+        lp = self._logprobs(logprobs, token_ids) if logprobs else None
         if self.kind == "chat":
             content = {"role": "assistant", "content": ""} if first else ({} if delta is None else {"content": delta})
             choice = {"index": 0, "delta": content, "logprobs": lp, "finish_reason": finish_reason}
@@ -281,12 +297,17 @@ class Answer:
         try:
             if self.kind == "chat":
                 yield _sse(self._chunk(None, first=True))
+            echoed = self.echo is None
             while True:
                 try:
                     event = await self.next_event()
                 except APIError as error:  # headers are sent: report in the stream, as OpenAI does
                     yield _sse(error_body(error.message, error.type, error.param, error.code))
                     break
+                if not echoed:  # the prompt first, once it is prefilled (its logprobs are known)
+                    echoed = True
+                    ids, entries = self._echoed_prompt()
+                    yield _sse(self._chunk(self.echo, logprobs=entries, token_ids=ids))
                 if event.delta:
                     yield _sse(self._chunk(event.delta, logprobs=event.logprobs))
                 if event.result is not None:
@@ -301,6 +322,11 @@ class Answer:
         finally:
             if not finished:  # the client went away (or the request failed): free the slot now
                 scheduler.cancel(self.job)
+
+
+def _echo(prompt: str | list[int], tokenizer) -> str:
+    """An echoed prompt's text: as sent, or its token ids' decoded text."""
+    return prompt if isinstance(prompt, str) else tokenizer.decode(prompt, skip_special_tokens=True)
 
 
 def _sse(payload: dict) -> str:

@@ -105,6 +105,10 @@ class SamplingFields(BaseModel):
         """How many alternatives each token's logprobs lists (None: no logprobs)."""
         return None
 
+    def num_prompt_logprobs(self) -> int | None:
+        """The same for the prompt's tokens (completions' echo)."""
+        return None
+
     def num_draft_tokens(self) -> int | None:
         """This request's draft ceiling: None = the server's, 0 = off."""
         if self.speculative == "off":
@@ -115,7 +119,8 @@ class SamplingFields(BaseModel):
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
                               seed=self.seed, max_new_tokens=max_new_tokens, stop=stop,
-                              sampling_mode=self.sampling_mode or default_mode, logprobs=self.num_logprobs())
+                              sampling_mode=self.sampling_mode or default_mode, logprobs=self.num_logprobs(),
+                              prompt_logprobs=self.num_prompt_logprobs())
 
 
 class TextPart(BaseModel):
@@ -158,10 +163,13 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str]
+    prompt: str | list[str] | list[int] | list[list[int]]  # one prompt: text, or token ids
     # logprobs=n: each token's log-probability and the n most probable tokens at its position
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # echo: the answer's text (and logprobs) start with the prompt's; with max_tokens=0 it scores
+    # the prompt and generates nothing (what evaluation harnesses send for log-likelihoods).
     echo: bool = False
+    max_tokens: int | None = Field(default=None, ge=0)
     best_of: int | None = None
     suffix: str | None = None
 
@@ -173,22 +181,31 @@ class CompletionRequest(SamplingFields):
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, prompt):
-        if isinstance(prompt, list) and len(prompt) != 1:
-            raise ValueError("send one prompt per request (a list of exactly one string is accepted)")
+        if isinstance(prompt, list) and not (prompt and isinstance(prompt[0], int)) and len(prompt) != 1:
+            raise ValueError("send one prompt per request (a list of exactly one string, or of one list of token "
+                             "ids, is accepted)")
         return prompt
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, echo: bool) -> bool:
-        if echo:
-            raise ValueError("echo is not supported: prepend the prompt yourself")
-        return echo
+    @model_validator(mode="after")
+    def _zero_tokens_only_with_echo(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens=0 generates nothing: ask for at least 1 token, or send echo: true (with "
+                             "logprobs) to score the prompt")
+        return self
 
-    def text(self) -> str:
-        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+    def text(self) -> str | list[int]:
+        """The prompt: its text, or its token ids."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return self.prompt
+        return self.prompt[0]
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    def num_prompt_logprobs(self) -> int | None:
+        if not self.echo:
+            return None
+        return self.logprobs if self.logprobs is not None else 0 if self.max_tokens == 0 else None
 
 
 def usage(metrics: RequestMetrics) -> dict:
@@ -239,21 +256,25 @@ class TextOffsets:
         return start
 
 
-def completion_logprobs(entries: list[TokenLogprob], tokenizer, offsets: TextOffsets) -> dict:
-    """A completion choice's (or chunk's) `logprobs`: tokens, token_logprobs, top_logprobs (the
-    most probable tokens' text -> logprob, with the chosen token's always among them, as OpenAI
-    does) and text_offset."""
+def completion_logprobs(token_ids: list[int], entries: list[TokenLogprob | None], tokenizer,
+                        offsets: TextOffsets) -> dict:
+    """A completion choice's (or chunk's) `logprobs` for these tokens: tokens, token_logprobs,
+    top_logprobs (the most probable tokens' text -> logprob, with the chosen token's always among
+    them, as OpenAI does) and text_offset. An entry is None for an echoed prompt's first token,
+    which nothing predicts (null there, as OpenAI answers)."""
     def text(token_id: int) -> str:
         return token_bytes(tokenizer, token_id).decode("utf-8", errors="replace")
 
     tops = []
-    for entry in entries:
-        top = {text(token_id): logprob for token_id, logprob in entry.top}
-        top.setdefault(text(entry.token_id), entry.logprob)
+    for token_id, entry in zip(token_ids, entries):
+        top = None
+        if entry is not None:
+            top = {text(alternative): logprob for alternative, logprob in entry.top}
+            top.setdefault(text(token_id), entry.logprob)
         tops.append(top)
-    return {"tokens": [text(entry.token_id) for entry in entries],
-            "token_logprobs": [entry.logprob for entry in entries],
-            "top_logprobs": tops, "text_offset": [offsets.next(entry.token_id) for entry in entries]}
+    return {"tokens": [text(token_id) for token_id in token_ids],
+            "token_logprobs": [entry and entry.logprob for entry in entries],
+            "top_logprobs": tops, "text_offset": [offsets.next(token_id) for token_id in token_ids]}
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
