@@ -76,6 +76,14 @@ def _add_sampling_flags(cmd, max_new_tokens: int) -> None:
     cmd.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off")
     cmd.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 = off")
     cmd.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability; 0 = off")
+    cmd.add_argument("--presence-penalty", type=float, default=0.0,
+                     help="subtracted from the logit of every token the output already holds, in [-2, 2]; 0 = off")
+    cmd.add_argument("--frequency-penalty", type=float, default=0.0,
+                     help="subtracted from a token's logit once per time the output holds it, in [-2, 2]; 0 = off")
+    cmd.add_argument("--repetition-penalty", type=float, default=1.0,
+                     help="divides (or, when negative, multiplies) the logit of tokens in the prompt or output; "
+                          "1 = off, e.g. 1.1 discourages repeats. Penalties never break exactness: speculation "
+                          "gives the same output with them")
     cmd.add_argument("--seed", type=int, help="seed for reproducible sampling")
     cmd.add_argument("--sampling-mode", default=SamplingParams().sampling_mode, choices=list(SAMPLING_MODES),
                      help="rejection: rejection sampling; coupled: the text depends on the seed alone, whatever the "
@@ -440,6 +448,8 @@ def _sampling_params(args):
     return SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
         max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), sampling_mode=args.sampling_mode,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
         logprobs=getattr(args, "logprobs", None), prompt_logprobs=getattr(args, "prompt_logprobs", None),  # `generate` only
     )
 

@@ -40,6 +40,11 @@ class SamplingParams:
     # The same for the PROMPT's tokens, each given the ones before it (the first has none):
     # scoring a text. With it, max_new_tokens=0 scores the prompt and generates nothing.
     prompt_logprobs: int | None = None
+    # Penalties on tokens already seen (draftwise.penalties; lossless under speculation):
+    # presence and frequency over the output, as OpenAI's; repetition over prompt and output.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:
@@ -60,6 +65,13 @@ class SamplingParams:
                               "a prompt: with prompt_logprobs set).")
         if self.sampling_mode not in SAMPLING_MODES:
             raise ConfigError(f"sampling_mode={self.sampling_mode!r} is invalid: use one of {', '.join(SAMPLING_MODES)}.")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ConfigError(f"{name}={getattr(self, name)} is invalid: it must be in [-2, 2] (OpenAI's range); "
+                                  "0 disables it.")
+        if not 0.0 < self.repetition_penalty < float("inf"):
+            raise ConfigError(f"repetition_penalty={self.repetition_penalty} is invalid: it must be positive; 1 disables "
+                              "it, above 1 (e.g. 1.1) discourages repeating.")
         for name in ("logprobs", "prompt_logprobs"):
             count = getattr(self, name)
             if count is not None and not 0 <= count <= MAX_TOP_LOGPROBS:
@@ -73,6 +85,10 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     @property
     def is_coupled(self) -> bool:

@@ -22,6 +22,7 @@ from draftwise.config import SamplingParams
 from draftwise.controller import BatchController
 from draftwise.drafters.base import Draft, empty_draft
 from draftwise.models.base import Segment, forward_segments
+from draftwise.penalties import penalize
 from draftwise.sampling import coupled_scores, logits_to_probs
 from draftwise.sequence import Sequence
 from draftwise.verify import Verdict, verify_greedy, verify_rejection, verify_tree_greedy, verify_tree_rejection
@@ -189,7 +190,8 @@ def _finish_chunk(seq: Sequence, rows: range, logits: torch.Tensor, hidden: torc
         seq.finish("length")
         return
     logits = logits[-1:]
-    verdict = choose(empty_draft(), logits, seq.params, seq.generator, [len(seq.prompt_ids)])
+    scores = _penalized(seq, logits, empty_draft().tokens, None)
+    verdict = choose(empty_draft(), scores, seq.params, seq.generator, [len(seq.prompt_ids)])
     seq.metrics.prefill_s = time.perf_counter() - seq.started
     seq.metrics.record_step(0, 0, 1)
     seq.commit([verdict.next_token], logits[-1:])
@@ -203,7 +205,8 @@ def _verify_and_commit(seq: Sequence, draft: Draft, segment: Segment, logits: to
     # Each row predicts the token one position past its own (the segment's positions hold the
     # tree depths already: computed once per step).
     predicted = (segment.positions + 1).tolist()
-    verdict = choose(draft, logits, seq.params, seq.generator, predicted)
+    verdict = choose(draft, _penalized(seq, logits, draft.tokens, segment.attn_mask), seq.params, seq.generator,
+                     predicted)
     path = verdict.accepted_nodes()
     policy = seq.policy
     if policy is not None and num_proposed:
@@ -227,6 +230,15 @@ def _verify_and_commit(seq: Sequence, draft: Draft, segment: Segment, logits: to
     metrics.record_step(num_proposed, verdict.num_accepted, verdict.num_accepted + 1, depth)
     seq.commit(draft.tokens[path].tolist() + [verdict.next_token],
                logits[committed_rows] if seq.logprobs is not None else None)
+
+
+def _penalized(seq: Sequence, logits: torch.Tensor, draft_tokens: torch.Tensor,
+               tree_mask: torch.Tensor | None) -> torch.Tensor:
+    """The rows the verifier judges by: the target's logits, each row penalised for the tokens
+    on its own path where the request sets penalties (draftwise.penalties)."""
+    if not seq.params.has_penalties:
+        return logits
+    return penalize(logits, seq.params, seq.context, len(seq.prompt_ids), draft_tokens, tree_mask)
 
 
 def choose(draft: Draft, target_logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,

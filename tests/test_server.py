@@ -172,6 +172,19 @@ def test_logprobs_through_the_openai_client_are_plain_decodings_whole_or_streame
     assert [value for piece in pieces for value in piece.text_offset] == logprobs.text_offset
 
 
+def test_penalties_through_the_openai_client_equal_plain_decoding_with_them(server, client, plain):
+    """presence / frequency penalties (OpenAI's) and repetition_penalty (an extension, as vLLM's):
+    the answer is plain greedy decoding with the same penalties, though the server speculates."""
+    messages = [PROMPTS[1][0]]
+    reply = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=40, temperature=0,
+                                           frequency_penalty=0.8, presence_penalty=0.4,
+                                           extra_body={"repetition_penalty": 1.2})
+    params = SamplingParams(max_new_tokens=40, frequency_penalty=0.8, presence_penalty=0.4, repetition_penalty=1.2)
+    expected = plain.generate(messages, params).text
+    assert reply.choices[0].message.content == expected
+    assert expected != plain.generate(messages, SamplingParams(max_new_tokens=40)).text
+
+
 def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(server, client, plain):
     """What lm-evaluation-harness's completions model sends for a log-likelihood (prompt as token
     ids or text, echo, logprobs=1, max_tokens 1 or 0): the prompt's tokens' logprobs (null for the
@@ -314,8 +327,12 @@ BAD_INPUTS = [
     ("top_logprobs without logprobs", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, {}, 400,
      "top_logprobs needs logprobs: true"),
     # fields that would change the answer, not implemented: refused by name, never ignored
-    ("frequency_penalty", {"messages": [{"role": "user", "content": "hi"}], "frequency_penalty": 1.0}, {}, 400,
-     "frequency_penalty is not supported"),
+    ("frequency_penalty > 2", {"messages": [{"role": "user", "content": "hi"}], "frequency_penalty": 2.5}, {}, 400,
+     "frequency_penalty"),
+    ("repetition_penalty 0", {"messages": [{"role": "user", "content": "hi"}], "repetition_penalty": 0}, {}, 400,
+     "repetition_penalty"),
+    ("logit_bias", {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"42": 5}}, {}, 400,
+     "logit_bias is not supported"),
     ("JSON mode", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, {},
      400, "response_format is not supported"),
     ("tools", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, {}, 400,
@@ -353,8 +370,8 @@ def test_unimplemented_fields_at_their_neutral_values_are_accepted(server):
     assert response.status_code == 400 and "best_of is not supported" in response.json()["error"]["message"]
     assert response.json()["error"]["param"] == "best_of"
     response = httpx.post(server.url + "/v1/completions", headers=headers, timeout=60,
-                          json={"prompt": "Once", "presence_penalty": 0.5, "max_tokens": 3})
-    assert response.status_code == 400 and response.json()["error"]["param"] == "presence_penalty"
+                          json={"prompt": "Once", "logit_bias": {"5": -100}, "max_tokens": 3})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "logit_bias"
 
 
 def test_a_completion_prompt_beyond_the_context_names_both_numbers(server):

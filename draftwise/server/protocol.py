@@ -1,7 +1,7 @@
 """The OpenAI wire format: pydantic models of the requests draftwise serves and their answers.
 
 Fields follow OpenAI's API reference; unknown fields are ignored as OpenAI does. Extensions:
-top_k, min_p and `speculative` (per-request draft ceiling, or "off") in requests, and
+top_k, min_p, repetition_penalty and `speculative` (per-request draft ceiling, or "off") in requests, and
 usage.speculative in answers (draft tokens proposed/accepted, acceptance rate, mean accepted
 length, per-position acceptance), where OpenAI clients see it. Log-probabilities (chat's
 logprobs + top_logprobs, completions' logprobs) are the model's (draftwise.logprobs): the same
@@ -24,7 +24,6 @@ MAX_STOP_STRINGS = 16
 # their neutral values only, since ignoring e.g. frequency_penalty=1.0 would answer another
 # request than the one sent (a 400 names the field instead). Unknown fields are still ignored.
 NEUTRAL_ONLY = {
-    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
     "logit_bias": (None, {}), "response_format": (None, {"type": "text"}),
     "tools": (None, []), "functions": (None, []), "best_of": (None, 1), "suffix": (None, ""),
 }
@@ -63,9 +62,9 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1)
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)  # an extension, as vLLM's
     logit_bias: dict[str, float] | None = None
     response_format: dict | None = None
     tools: list | None = None
@@ -82,8 +81,7 @@ class SamplingFields(BaseModel):
             raise ValueError("n > 1 is not supported: send n separate requests (each may carry its own seed)")
         return n
 
-    @field_validator("presence_penalty", "frequency_penalty", "repetition_penalty",
-                     "logit_bias", "response_format", "tools", "functions")
+    @field_validator("logit_bias", "response_format", "tools", "functions")
     @classmethod
     def _only_neutral(cls, value, info):
         return _neutral(info.field_name, value)
@@ -120,6 +118,9 @@ class SamplingFields(BaseModel):
         return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
                               seed=self.seed, max_new_tokens=max_new_tokens, stop=stop,
                               sampling_mode=self.sampling_mode or default_mode, logprobs=self.num_logprobs(),
+                              presence_penalty=self.presence_penalty or 0.0,
+                              frequency_penalty=self.frequency_penalty or 0.0,
+                              repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
                               prompt_logprobs=self.num_prompt_logprobs())
 
 
