@@ -45,6 +45,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # Added to those tokens' logits at every position, (token id, bias) pairs; a dict is taken too.
+    # -100 all but bans a token, 100 all but forces it (OpenAI's range).
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:
@@ -72,6 +75,15 @@ class SamplingParams:
         if not 0.0 < self.repetition_penalty < float("inf"):
             raise ConfigError(f"repetition_penalty={self.repetition_penalty} is invalid: it must be positive; 1 disables "
                               "it, above 1 (e.g. 1.1) discourages repeating.")
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
+        if len({token for token, _ in self.logit_bias}) != len(self.logit_bias):
+            raise ConfigError("logit_bias names a token twice: give each token id one bias.")
+        for token, bias in self.logit_bias:
+            if not isinstance(token, int) or token < 0:
+                raise ConfigError(f"logit_bias has token {token!r}: keys are token ids (non-negative integers).")
+            if not -100.0 <= bias <= 100.0:
+                raise ConfigError(f"logit_bias[{token}]={bias} is invalid: biases are in [-100, 100].")
         for name in ("logprobs", "prompt_logprobs"):
             count = getattr(self, name)
             if count is not None and not 0 <= count <= MAX_TOP_LOGPROBS:
@@ -89,6 +101,11 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the verifier judges by adjusted logits (draftwise.penalties): a bias or a penalty."""
+        return bool(self.logit_bias) or self.has_penalties
 
     @property
     def is_coupled(self) -> bool:

@@ -17,7 +17,7 @@ from draftwise.config import SamplingParams, with_sampling
 from draftwise.controller import BatchController
 from draftwise.draft_length import DraftLengthPolicy
 from draftwise.drafters.base import Draft, Drafter, empty_draft
-from draftwise.errors import PromptError
+from draftwise.errors import ConfigError, PromptError
 from draftwise.logprobs import TokenLogprob
 from draftwise.metrics import RequestMetrics
 from draftwise.models.loading import LoadedModel
@@ -185,6 +185,10 @@ class Engine:
                 f"the prompt has {len(prompt_ids)} tokens but {model.info.name} reads at most "
                 f"{max_context}: shorten the prompt."
             )
+        biased = [token for token, _ in params.logit_bias if token >= model.info.vocab_size]
+        if biased:
+            raise ConfigError(f"logit_bias names token {biased[0]}, outside {model.info.name}'s vocabulary of "
+                              f"{model.info.vocab_size}: give ids from 0 to {model.info.vocab_size - 1}.")
         num_draft_tokens = self.num_draft_tokens if num_draft_tokens is None else min(num_draft_tokens, self.num_draft_tokens)
         # The context never exceeds prompt + max_new_tokens; a verify forward holds k more.
         max_length = min(len(prompt_ids) + params.max_new_tokens, max_context)

@@ -1,5 +1,9 @@
-"""Repetition penalties, lossless under speculation: OpenAI's presence_penalty and
-frequency_penalty, and the repetition_penalty of CTRL (Keskar et al. 2019), transformers and vLLM.
+"""What a request adds to the target's logits, lossless under speculation: OpenAI's logit_bias,
+presence_penalty and frequency_penalty, and the repetition_penalty of CTRL (Keskar et al.
+2019), transformers and vLLM.
+
+logit_bias adds a fixed number to chosen tokens' logits at every position, so every row gets
+the same addition.
 
 A penalty makes a position's distribution depend on the tokens before it. In a verify forward
 each row's context is the committed tokens plus the draft tokens on the path to that row (a
@@ -10,6 +14,7 @@ they are: greedy output equals plain greedy decoding's, rejection sampling sampl
 distribution, coupled sampling gives the same text for a seed.
 
 Per token j, on the raw logits, before temperature and the filters (vLLM's order):
+  - logit_bias b_j is added;
   - repetition_penalty r, over the prompt AND the output (as transformers and vLLM): a seen
     token's logit is divided by r when positive, multiplied by r otherwise;
   - then, with count_j the times j occurs in the OUTPUT so far (as OpenAI and vLLM):
@@ -27,11 +32,18 @@ from draftwise.config import SamplingParams
 
 def penalize(logits: torch.Tensor, params: SamplingParams, context: torch.Tensor, num_prompt: int,
              draft_tokens: torch.Tensor, tree_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Penalised copy of logits [rows, vocab] for a verify forward (or the first token's row).
+    """Biased and penalised copy of logits [rows, vocab] for a verify forward (or the first token's row).
     context: the committed tokens [L] (the prompt's num_prompt, then the output); draft_tokens [n]
     the forward scored after context[-1]; rows = n + 1, row 0 the last committed token's. tree_mask:
     the forward's ancestor mask [1 + n, 1 + n] (draftwise.tree), None for a chain."""
     rows = logits.shape[0]
+    logits = logits.float()
+    if params.logit_bias:
+        ids, biases = zip(*params.logit_bias)
+        logits = logits.clone()
+        logits[:, list(ids)] += torch.tensor(biases, dtype=torch.float32)
+    if not params.has_penalties:
+        return logits
     if tree_mask is None:
         tree_mask = torch.ones(rows, rows, dtype=torch.bool).tril()
     on_path = tree_mask[:rows, 1:].to(torch.float32)  # [rows, n]: the draft nodes each row's context holds
@@ -41,7 +53,7 @@ def penalize(logits: torch.Tensor, params: SamplingParams, context: torch.Tensor
     output = context[num_prompt:]
     counts = torch.zeros(seen.shape[0]).index_add_(0, torch.searchsorted(seen, output), torch.ones(output.shape[0]))
     counts = counts + on_path @ drafted  # [rows, |seen|]: small integers, exact in float32
-    columns = logits[:, seen].float()
+    columns = logits[:, seen]
     if params.repetition_penalty != 1.0:
         in_prompt = torch.zeros(seen.shape[0], dtype=torch.bool)
         in_prompt[torch.searchsorted(seen, context[:num_prompt])] = True
@@ -49,6 +61,6 @@ def penalize(logits: torch.Tensor, params: SamplingParams, context: torch.Tensor
         columns = torch.where(in_prompt | (counts > 0), penalised, columns)
     if params.frequency_penalty or params.presence_penalty:
         columns = columns - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
-    out = logits.float().clone()
+    out = logits.clone()
     out[:, seen] = columns
     return out

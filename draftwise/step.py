@@ -234,9 +234,9 @@ def _verify_and_commit(seq: Sequence, draft: Draft, segment: Segment, logits: to
 
 def _penalized(seq: Sequence, logits: torch.Tensor, draft_tokens: torch.Tensor,
                tree_mask: torch.Tensor | None) -> torch.Tensor:
-    """The rows the verifier judges by: the target's logits, each row penalised for the tokens
-    on its own path where the request sets penalties (draftwise.penalties)."""
-    if not seq.params.has_penalties:
+    """The rows the verifier judges by: the target's logits, with the request's logit_bias and
+    each row penalised for the tokens on its own path where it sets penalties (draftwise.penalties)."""
+    if not seq.params.adjusts_logits:
         return logits
     return penalize(logits, seq.params, seq.context, len(seq.prompt_ids), draft_tokens, tree_mask)
 

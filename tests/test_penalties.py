@@ -71,6 +71,20 @@ def test_a_seeded_sample_with_penalties_is_the_same_text_with_every_drafter(engi
         assert engines[name].generate(PROMPTS[0], params).token_ids == plain.token_ids, name
 
 
+def test_logit_bias_bans_and_forces_tokens_and_every_drafter_gives_the_same_output(engines):
+    prompt = PROMPTS[2]
+    unbiased = engines["none"].generate(prompt, max_new_tokens=24).token_ids
+    banned = {token: -100.0 for token in set(unbiased[:4])}  # the first tokens plain decoding chose
+    plain = engines["none"].generate(prompt, max_new_tokens=24, logit_bias=banned)
+    assert not set(plain.token_ids) & set(banned) and plain.token_ids != unbiased
+    for name in ("ngram", "eagle"):
+        assert engines[name].generate(prompt, max_new_tokens=24, logit_bias=banned).token_ids == plain.token_ids, name
+    forced = engines["eagle"].generate(prompt, max_new_tokens=6, logit_bias={unbiased[5]: 100.0})
+    assert forced.token_ids == [unbiased[5]] * 6
+    with pytest.raises(ConfigError, match="vocabulary"):
+        engines["none"].generate(prompt, max_new_tokens=2, logit_bias={10**7: 1.0})
+
+
 @settings(max_examples=60, deadline=None)
 @given(data=st.data())
 def test_each_penalised_row_is_that_row_penalised_alone_with_its_path_as_context(data):
@@ -83,7 +97,8 @@ def test_each_penalised_row_is_that_row_penalised_alone_with_its_path_as_context
     parents = [data.draw(st.integers(-1, node - 1)) for node in range(num_nodes)]
     draft = torch.tensor(data.draw(st.lists(st.integers(0, vocab - 1), min_size=num_nodes, max_size=num_nodes)),
                          dtype=torch.long)
-    params = SamplingParams(repetition_penalty=data.draw(st.sampled_from([1.0, 1.3, 0.7])),
+    params = SamplingParams(logit_bias={data.draw(st.integers(0, vocab - 1)): data.draw(st.sampled_from([0.0, -3.5]))},
+                            repetition_penalty=data.draw(st.sampled_from([1.0, 1.3, 0.7])),
                             frequency_penalty=data.draw(st.sampled_from([0.0, 0.6, -1.1])),
                             presence_penalty=data.draw(st.sampled_from([0.0, 0.4])))
     logits = torch.randn(num_nodes + 1, vocab, generator=torch.Generator().manual_seed(data.draw(st.integers(0, 99))))
@@ -100,7 +115,8 @@ def test_each_penalised_row_is_that_row_penalised_alone_with_its_path_as_context
 
 
 @pytest.mark.parametrize("field, value", [("presence_penalty", 2.5), ("frequency_penalty", -3.0),
-                                          ("repetition_penalty", 0.0), ("repetition_penalty", float("nan"))])
+                                          ("repetition_penalty", 0.0), ("repetition_penalty", float("nan")),
+                                          ("logit_bias", {5: 150.0}), ("logit_bias", {-1: 1.0})])
 def test_out_of_range_penalties_are_refused_by_name(field, value):
     with pytest.raises(ConfigError, match=field):
         SamplingParams(**{field: value})

@@ -173,13 +173,15 @@ def test_logprobs_through_the_openai_client_are_plain_decodings_whole_or_streame
 
 
 def test_penalties_through_the_openai_client_equal_plain_decoding_with_them(server, client, plain):
-    """presence / frequency penalties (OpenAI's) and repetition_penalty (an extension, as vLLM's):
+    """logit_bias, presence / frequency penalties (OpenAI's) and repetition_penalty (an extension, as vLLM's):
     the answer is plain greedy decoding with the same penalties, though the server speculates."""
     messages = [PROMPTS[1][0]]
+    banned = plain.generate(messages, SamplingParams(max_new_tokens=1)).token_ids[0]  # plain's first token
     reply = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=40, temperature=0,
-                                           frequency_penalty=0.8, presence_penalty=0.4,
+                                           frequency_penalty=0.8, presence_penalty=0.4, logit_bias={str(banned): -100},
                                            extra_body={"repetition_penalty": 1.2})
-    params = SamplingParams(max_new_tokens=40, frequency_penalty=0.8, presence_penalty=0.4, repetition_penalty=1.2)
+    params = SamplingParams(max_new_tokens=40, frequency_penalty=0.8, presence_penalty=0.4, repetition_penalty=1.2,
+                            logit_bias={banned: -100.0})
     expected = plain.generate(messages, params).text
     assert reply.choices[0].message.content == expected
     assert expected != plain.generate(messages, SamplingParams(max_new_tokens=40)).text
@@ -331,8 +333,12 @@ BAD_INPUTS = [
      "frequency_penalty"),
     ("repetition_penalty 0", {"messages": [{"role": "user", "content": "hi"}], "repetition_penalty": 0}, {}, 400,
      "repetition_penalty"),
-    ("logit_bias", {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"42": 5}}, {}, 400,
-     "logit_bias is not supported"),
+    ("logit_bias key", {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"hello": 5}}, {}, 400,
+     "not a token id"),
+    ("logit_bias beyond the vocabulary", {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"999999": 5}},
+     {}, 400, "outside"),
+    ("logit_bias > 100", {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"42": 101}}, {}, 400,
+     "[-100, 100]"),
     ("JSON mode", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, {},
      400, "response_format is not supported"),
     ("tools", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, {}, 400,
@@ -370,8 +376,8 @@ def test_unimplemented_fields_at_their_neutral_values_are_accepted(server):
     assert response.status_code == 400 and "best_of is not supported" in response.json()["error"]["message"]
     assert response.json()["error"]["param"] == "best_of"
     response = httpx.post(server.url + "/v1/completions", headers=headers, timeout=60,
-                          json={"prompt": "Once", "logit_bias": {"5": -100}, "max_tokens": 3})
-    assert response.status_code == 400 and response.json()["error"]["param"] == "logit_bias"
+                          json={"prompt": "Once", "response_format": {"type": "json_object"}, "max_tokens": 3})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "response_format"
 
 
 def test_a_completion_prompt_beyond_the_context_names_both_numbers(server):

@@ -16,6 +16,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from draftwise.config import SamplingParams
+from draftwise.errors import ConfigError
 from draftwise.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_bytes
 from draftwise.metrics import RequestMetrics
 
@@ -24,7 +25,7 @@ MAX_STOP_STRINGS = 16
 # their neutral values only, since ignoring e.g. frequency_penalty=1.0 would answer another
 # request than the one sent (a 400 names the field instead). Unknown fields are still ignored.
 NEUTRAL_ONLY = {
-    "logit_bias": (None, {}), "response_format": (None, {"type": "text"}),
+    "response_format": (None, {"type": "text"}),
     "tools": (None, []), "functions": (None, []), "best_of": (None, 1), "suffix": (None, ""),
 }
 
@@ -81,7 +82,7 @@ class SamplingFields(BaseModel):
             raise ValueError("n > 1 is not supported: send n separate requests (each may carry its own seed)")
         return n
 
-    @field_validator("logit_bias", "response_format", "tools", "functions")
+    @field_validator("response_format", "tools", "functions")
     @classmethod
     def _only_neutral(cls, value, info):
         return _neutral(info.field_name, value)
@@ -98,6 +99,15 @@ class SamplingFields(BaseModel):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def token_biases(self) -> tuple[tuple[int, float], ...]:
+        """logit_bias with its keys (token ids as strings, as OpenAI sends them) as integers."""
+        biases = []
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.strip().isdigit():
+                raise ConfigError(f"logit_bias key {key!r} is not a token id: keys are token ids, e.g. \"50256\".")
+            biases.append((int(key), bias))
+        return tuple(sorted(biases))
 
     def num_logprobs(self) -> int | None:
         """How many alternatives each token's logprobs lists (None: no logprobs)."""
@@ -121,6 +131,7 @@ class SamplingFields(BaseModel):
                               presence_penalty=self.presence_penalty or 0.0,
                               frequency_penalty=self.frequency_penalty or 0.0,
                               repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                              logit_bias=self.token_biases(),
                               prompt_logprobs=self.num_prompt_logprobs())
 
 
