@@ -30,17 +30,21 @@ import torch
 from draftwise.config import SamplingParams
 
 
+@torch.inference_mode()  # the forward's logits are inference tensors: changed in place only in this mode
 def penalize(logits: torch.Tensor, params: SamplingParams, context: torch.Tensor, num_prompt: int,
-             draft_tokens: torch.Tensor, tree_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Biased and penalised copy of logits [rows, vocab] for a verify forward (or the first token's row).
+             draft_tokens: torch.Tensor, tree_mask: torch.Tensor | None = None, copy: bool = True) -> torch.Tensor:
+    """Biased and penalised logits [rows, vocab] for a verify forward (or the first token's row).
     context: the committed tokens [L] (the prompt's num_prompt, then the output); draft_tokens [n]
     the forward scored after context[-1]; rows = n + 1, row 0 the last committed token's. tree_mask:
-    the forward's ancestor mask [1 + n, 1 + n] (draftwise.tree), None for a chain."""
+    the forward's ancestor mask [1 + n, 1 + n] (draftwise.tree), None for a chain. copy=False
+    changes float32 logits in place (the caller keeps no other use of the raw ones: a copy of
+    25 rows of a 152k vocabulary costs 0.8 ms, a third of the rest)."""
     rows = logits.shape[0]
     logits = logits.float()
+    if copy:
+        logits = logits.clone()
     if params.logit_bias:
         ids, biases = zip(*params.logit_bias)
-        logits = logits.clone()
         logits[:, list(ids)] += torch.tensor(biases, dtype=torch.float32)
     if not params.has_penalties:
         return logits
@@ -61,6 +65,5 @@ def penalize(logits: torch.Tensor, params: SamplingParams, context: torch.Tensor
         columns = torch.where(in_prompt | (counts > 0), penalised, columns)
     if params.frequency_penalty or params.presence_penalty:
         columns = columns - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
-    out = logits.clone()
-    out[:, seen] = columns
-    return out
+    logits[:, seen] = columns
+    return logits

@@ -238,7 +238,9 @@ def _penalized(seq: Sequence, logits: torch.Tensor, draft_tokens: torch.Tensor,
     each row penalised for the tokens on its own path where it sets penalties (draftwise.penalties)."""
     if not seq.params.adjusts_logits:
         return logits
-    return penalize(logits, seq.params, seq.context, len(seq.prompt_ids), draft_tokens, tree_mask)
+    # In place unless the raw rows are still wanted (their logprobs, which are the model's own).
+    return penalize(logits, seq.params, seq.context, len(seq.prompt_ids), draft_tokens, tree_mask,
+                    copy=seq.logprobs is not None)
 
 
 def choose(draft: Draft, target_logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
