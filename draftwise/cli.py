@@ -21,6 +21,8 @@ def _add_generate(subparsers) -> None:
     _add_engine_flags(cmd)
     _add_sampling_flags(cmd, max_new_tokens=128)
     cmd.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the model's chat template")
+    cmd.add_argument("--suffix", help="fill in the middle: the prompt is the code before, this the code after; needs a "
+                                      "model trained for it (its vocabulary has <|fim_prefix|>...: qwen2.5-coder-*)")
     cmd.add_argument("--stream", action="store_true", help="print text as it is generated")
     cmd.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, finish_reason, metrics")
     cmd.add_argument("--logprobs", type=int, metavar="N",
@@ -497,10 +499,19 @@ def _generate(args) -> int:
     for flag, value in (("--logprobs", args.logprobs), ("--prompt-logprobs", args.prompt_logprobs)):
         if value is not None and not args.json:
             raise ConfigError(f"{flag} are printed in the --json output: add --json.")
+    if args.suffix is not None and args.chat:
+        raise ConfigError("--suffix fills in the middle of a raw prompt: leave out --chat.")
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     params = _sampling_params(args)
     engine = _load_engine(args)
     request = [{"role": "user", "content": prompt}] if args.chat else prompt
+    if args.suffix is not None:
+        from dataclasses import replace
+
+        from draftwise.infill import infill_prompt
+
+        request, stops = infill_prompt(engine.tokenizer, prompt, args.suffix)
+        params = replace(params, stop_token_ids=params.stop_token_ids + stops)
     result = None
     for update in engine.stream(request, params):
         if args.stream and not args.json:

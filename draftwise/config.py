@@ -28,6 +28,8 @@ class SamplingParams:
     seed: int | None = None
     max_new_tokens: int = 128
     stop: tuple[str, ...] = ()
+    # Token ids that end the output as the model's end-of-sequence tokens do (not included in it).
+    stop_token_ids: tuple[int, ...] = ()
     # "coupled" (default): token t is argmax(log p_t + Gumbel noise keyed by (seed, t)), so the
     # text depends on the seed alone, whatever the drafter, the draft lengths or the batch
     # (draftwise.sampling). "rejection": rejection sampling (Leviathan et al.), whose text
@@ -75,6 +77,10 @@ class SamplingParams:
         if not 0.0 < self.repetition_penalty < float("inf"):
             raise ConfigError(f"repetition_penalty={self.repetition_penalty} is invalid: it must be positive; 1 disables "
                               "it, above 1 (e.g. 1.1) discourages repeating.")
+        if not isinstance(self.stop_token_ids, tuple):  # a list or set is taken too
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if any(not isinstance(token, int) or token < 0 for token in self.stop_token_ids):
+            raise ConfigError(f"stop_token_ids={self.stop_token_ids} is invalid: give token ids (non-negative integers).")
         if isinstance(self.logit_bias, dict):
             object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
         if len({token for token, _ in self.logit_bias}) != len(self.logit_bias):

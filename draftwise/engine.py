@@ -185,10 +185,12 @@ class Engine:
                 f"the prompt has {len(prompt_ids)} tokens but {model.info.name} reads at most "
                 f"{max_context}: shorten the prompt."
             )
-        biased = [token for token, _ in params.logit_bias if token >= model.info.vocab_size]
-        if biased:
-            raise ConfigError(f"logit_bias names token {biased[0]}, outside {model.info.name}'s vocabulary of "
-                              f"{model.info.vocab_size}: give ids from 0 to {model.info.vocab_size - 1}.")
+        for name, tokens in (("logit_bias", [token for token, _ in params.logit_bias]),
+                             ("stop_token_ids", params.stop_token_ids)):
+            outside = [token for token in tokens if token >= model.info.vocab_size]
+            if outside:
+                raise ConfigError(f"{name} names token {outside[0]}, outside {model.info.name}'s vocabulary of "
+                                  f"{model.info.vocab_size}: give ids from 0 to {model.info.vocab_size - 1}.")
         num_draft_tokens = self.num_draft_tokens if num_draft_tokens is None else min(num_draft_tokens, self.num_draft_tokens)
         # The context never exceeds prompt + max_new_tokens; a verify forward holds k more.
         max_length = min(len(prompt_ids) + params.max_new_tokens, max_context)
@@ -198,7 +200,7 @@ class Engine:
         generator = make_generator(params.seed)
         drafter.begin(params, generator, capacity)
         seq = Sequence(prompt_ids, params, drafter, policy, num_draft_tokens, generator, model.new_cache(capacity),
-                       max_length, frozenset(model.info.eos_token_ids), TextStream(self.tokenizer, params.stop),
+                       max_length, frozenset(model.info.eos_token_ids) | frozenset(params.stop_token_ids), TextStream(self.tokenizer, params.stop),
                        RequestMetrics(num_prompt_tokens=len(prompt_ids)))
         if self.prefix_cache is not None:
             seq.hidden_rows = [] if self.hidden_layers else None

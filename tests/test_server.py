@@ -378,6 +378,10 @@ def test_unimplemented_fields_at_their_neutral_values_are_accepted(server):
     response = httpx.post(server.url + "/v1/completions", headers=headers, timeout=60,
                           json={"prompt": "Once", "response_format": {"type": "json_object"}, "max_tokens": 3})
     assert response.status_code == 400 and response.json()["error"]["param"] == "response_format"
+    response = httpx.post(server.url + "/v1/completions", headers=headers, timeout=60,
+                          json={"prompt": "def f(", "suffix": "    return x\n", "max_tokens": 3})
+    assert response.status_code == 400 and "fill-in-the-middle" in response.json()["error"]["message"]
+    assert response.json()["error"]["param"] == "suffix"  # SmolLM2 was not trained for it
 
 
 def test_a_completion_prompt_beyond_the_context_names_both_numbers(server):

@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from draftwise.engine import Engine
 from draftwise.errors import DraftwiseError
+from draftwise.infill import infill_prompt
 from draftwise.scheduler import DEFAULT_MAX_TOKENS, Event, QueueFull, Request, Scheduler
 from draftwise.server.metrics import ServerMetrics
 from draftwise.server.protocol import (ChatCompletionRequest, CompletionRequest, SamplingFields, TextOffsets,
@@ -148,13 +149,18 @@ def create_app(engine: Engine, scheduler: Scheduler, settings: ServerSettings = 
         if body.model not in (None, "", served):
             raise APIError(404, f"model {body.model!r} is not served here; this server serves {served!r} (GET /v1/models).",
                            param="model", code="model_not_found")
+        infill_stops: tuple[int, ...] = ()
         try:
-            prompt_ids = engine.encode(prompt)
+            if kind == "text" and body.suffix:
+                prompt_ids, infill_stops = infill_prompt(engine.tokenizer, prompt, body.suffix)
+            else:
+                prompt_ids = engine.encode(prompt)
         except DraftwiseError as error:
-            raise APIError(400, str(error), param="messages" if kind == "chat" else "prompt") from None
+            raise APIError(400, str(error), param="suffix" if kind == "text" and body.suffix else
+                           "messages" if kind == "chat" else "prompt") from None
         max_tokens = _max_tokens(body, len(prompt_ids), max_context, settings, kind)
         try:
-            params = body.sampling_params(max_tokens, settings.sampling_mode)
+            params = body.sampling_params(max_tokens, settings.sampling_mode, infill_stops)
         except DraftwiseError as error:
             raise APIError(400, str(error)) from None
         loop = asyncio.get_running_loop()

@@ -26,7 +26,7 @@ MAX_STOP_STRINGS = 16
 # request than the one sent (a 400 names the field instead). Unknown fields are still ignored.
 NEUTRAL_ONLY = {
     "response_format": (None, {"type": "text"}),
-    "tools": (None, []), "functions": (None, []), "best_of": (None, 1), "suffix": (None, ""),
+    "tools": (None, []), "functions": (None, []), "best_of": (None, 1),
 }
 
 
@@ -60,6 +60,7 @@ class SamplingFields(BaseModel):
     min_p: float = Field(default=0.0, ge=0.0, lt=1.0)
     seed: int | None = None
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, max_length=64)  # an extension, as vLLM's
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1)
@@ -123,10 +124,12 @@ class SamplingFields(BaseModel):
             return 0
         return None if self.speculative is None else self.speculative.num_draft_tokens
 
-    def sampling_params(self, max_new_tokens: int, default_mode: str) -> SamplingParams:
+    def sampling_params(self, max_new_tokens: int, default_mode: str,
+                        extra_stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
                               seed=self.seed, max_new_tokens=max_new_tokens, stop=stop,
+                              stop_token_ids=tuple(self.stop_token_ids or ()) + extra_stop_token_ids,
                               sampling_mode=self.sampling_mode or default_mode, logprobs=self.num_logprobs(),
                               presence_penalty=self.presence_penalty or 0.0,
                               frequency_penalty=self.frequency_penalty or 0.0,
@@ -183,9 +186,10 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     max_tokens: int | None = Field(default=None, ge=0)
     best_of: int | None = None
+    # fill-in-the-middle: the prompt is the code before, suffix the code after (draftwise.infill)
     suffix: str | None = None
 
-    @field_validator("best_of", "suffix")
+    @field_validator("best_of")
     @classmethod
     def _only_neutral_here(cls, value, info):  # another name: the same one would replace the fields' above
         return _neutral(info.field_name, value)
@@ -200,6 +204,8 @@ class CompletionRequest(SamplingFields):
 
     @model_validator(mode="after")
     def _zero_tokens_only_with_echo(self):
+        if self.suffix and (self.echo or not isinstance(self.text(), str)):
+            raise ValueError("suffix (fill-in-the-middle) takes a text prompt, without echo")
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens=0 generates nothing: ask for at least 1 token, or send echo: true (with "
                              "logprobs) to score the prompt")
