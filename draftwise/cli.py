@@ -21,6 +21,8 @@ def _add_generate(subparsers) -> None:
     _add_engine_flags(cmd)
     _add_sampling_flags(cmd, max_new_tokens=128)
     cmd.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the model's chat template")
+    cmd.add_argument("--ignore-eos", action="store_true",
+                     help="generate through end-of-sequence tokens: exactly --max-new-tokens tokens (measurements)")
     cmd.add_argument("--suffix", help="fill in the middle: the prompt is the code before, this the code after; needs a "
                                       "model trained for it (its vocabulary has <|fim_prefix|>...: qwen2.5-coder-*)")
     cmd.add_argument("--stream", action="store_true", help="print text as it is generated")
@@ -91,6 +93,8 @@ def _add_sampling_flags(cmd, max_new_tokens: int) -> None:
                      help="rejection: rejection sampling; coupled: the text depends on the seed alone, whatever the "
                           f"drafter and draft lengths (default: {SamplingParams().sampling_mode})")
     cmd.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help=f"(default: {max_new_tokens})")
+    cmd.add_argument("--min-new-tokens", type=int, default=0,
+                     help="ban end-of-sequence tokens before this many new tokens (default: 0)")
     cmd.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     cmd.add_argument("--threads", type=int, help="CPU threads (default: PyTorch's, one per core)")
 
@@ -450,6 +454,7 @@ def _sampling_params(args):
     return SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
         max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), sampling_mode=args.sampling_mode,
+        min_new_tokens=args.min_new_tokens, ignore_eos=getattr(args, "ignore_eos", False),  # `generate` only
         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
         repetition_penalty=args.repetition_penalty,
         logprobs=getattr(args, "logprobs", None), prompt_logprobs=getattr(args, "prompt_logprobs", None),  # `generate` only

@@ -27,6 +27,12 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     max_new_tokens: int = 128
+    # The output's end-of-sequence and stop_token_ids are banned (logit -inf) before this many
+    # tokens; stop strings still apply (as vLLM's min_tokens).
+    min_new_tokens: int = 0
+    # Generate through end-of-sequence tokens as through any other (stop_token_ids still stop):
+    # fixed-length outputs for measurements.
+    ignore_eos: bool = False
     stop: tuple[str, ...] = ()
     # Token ids that end the output as the model's end-of-sequence tokens do (not included in it).
     stop_token_ids: tuple[int, ...] = ()
@@ -50,6 +56,9 @@ class SamplingParams:
     # Added to those tokens' logits at every position, (token id, bias) pairs; a dict is taken too.
     # -100 all but bans a token, 100 all but forces it (OpenAI's range).
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # The output stays inside this grammar (draftwise.structured: json_object(), json_schema(...),
+    # regex(...)); None: any text.
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:
@@ -68,6 +77,9 @@ class SamplingParams:
         if self.max_new_tokens < (0 if self.prompt_logprobs is not None else 1):
             raise ConfigError(f"max_new_tokens={self.max_new_tokens} is invalid: it must be at least 1 (0 only scores "
                               "a prompt: with prompt_logprobs set).")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ConfigError(f"min_new_tokens={self.min_new_tokens} is invalid: it must be in [0, max_new_tokens "
+                              f"= {self.max_new_tokens}].")
         if self.sampling_mode not in SAMPLING_MODES:
             raise ConfigError(f"sampling_mode={self.sampling_mode!r} is invalid: use one of {', '.join(SAMPLING_MODES)}.")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -110,8 +122,9 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether the verifier judges by adjusted logits (draftwise.penalties): a bias or a penalty."""
-        return bool(self.logit_bias) or self.has_penalties
+        """Whether the verifier judges by adjusted logits (draftwise.penalties): a bias, a penalty or
+        a minimum length."""
+        return bool(self.logit_bias) or self.has_penalties or self.min_new_tokens > 0
 
     @property
     def is_coupled(self) -> bool:

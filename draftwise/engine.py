@@ -25,6 +25,7 @@ from draftwise.prefix_cache import PrefixCache
 from draftwise.sampling import make_generator
 from draftwise.sequence import Sequence
 from draftwise.step import run_step
+from draftwise.structured import Constraint
 from draftwise.text_stream import TextStream
 
 Prompt = str | list[dict[str, str]] | list[int]  # raw text, chat messages [{"role": ..., "content": ...}], or token ids
@@ -200,8 +201,10 @@ class Engine:
         generator = make_generator(params.seed)
         drafter.begin(params, generator, capacity)
         seq = Sequence(prompt_ids, params, drafter, policy, num_draft_tokens, generator, model.new_cache(capacity),
-                       max_length, frozenset(model.info.eos_token_ids) | frozenset(params.stop_token_ids), TextStream(self.tokenizer, params.stop),
+                       max_length, stop_tokens(model.info.eos_token_ids, params), TextStream(self.tokenizer, params.stop),
                        RequestMetrics(num_prompt_tokens=len(prompt_ids)))
+        if params.grammar is not None:
+            seq.constraint = Constraint(params.grammar, self.tokenizer, model.info.vocab_size, model.info.eos_token_ids)
         if self.prefix_cache is not None:
             seq.hidden_rows = [] if self.hidden_layers else None
             if seq.prompt_logprobs is None:  # scoring the prompt needs every row's logits: prefill it all
@@ -212,6 +215,12 @@ class Engine:
         """A sequence is done: a complete one leaves its keys and values to the prefix cache."""
         if self.prefix_cache is not None and seq.finish_reason in ("stop", "length"):
             self.prefix_cache.keep(seq)
+
+
+def stop_tokens(eos_token_ids: tuple[int, ...], params: SamplingParams) -> frozenset[int]:
+    """The tokens that end a request's output: the model's end-of-sequence tokens (unless
+    ignore_eos) and its stop_token_ids."""
+    return frozenset(() if params.ignore_eos else eos_token_ids) | frozenset(params.stop_token_ids)
 
 
 def result_of(seq: Sequence) -> GenerationResult:

@@ -3,7 +3,8 @@ presence_penalty and frequency_penalty, and the repetition_penalty of CTRL (Kesk
 2019), transformers and vLLM.
 
 logit_bias adds a fixed number to chosen tokens' logits at every position, so every row gets
-the same addition.
+the same addition. min_new_tokens bans the stop tokens (-inf) in rows that predict an output
+token before that count: a row's count is the output so far plus its depth in the draft.
 
 A penalty makes a position's distribution depend on the tokens before it. In a verify forward
 each row's context is the committed tokens plus the draft tokens on the path to that row (a
@@ -14,7 +15,7 @@ they are: greedy output equals plain greedy decoding's, rejection sampling sampl
 distribution, coupled sampling gives the same text for a seed.
 
 Per token j, on the raw logits, before temperature and the filters (vLLM's order):
-  - logit_bias b_j is added;
+  - logit_bias b_j is added; the stop tokens are banned where the output is still too short;
   - repetition_penalty r, over the prompt AND the output (as transformers and vLLM): a seen
     token's logit is divided by r when positive, multiplied by r otherwise;
   - then, with count_j the times j occurs in the OUTPUT so far (as OpenAI and vLLM):
@@ -32,13 +33,15 @@ from draftwise.config import SamplingParams
 
 @torch.inference_mode()  # the forward's logits are inference tensors: changed in place only in this mode
 def penalize(logits: torch.Tensor, params: SamplingParams, context: torch.Tensor, num_prompt: int,
-             draft_tokens: torch.Tensor, tree_mask: torch.Tensor | None = None, copy: bool = True) -> torch.Tensor:
+             draft_tokens: torch.Tensor, tree_mask: torch.Tensor | None = None, copy: bool = True,
+             stop_ids: frozenset[int] = frozenset()) -> torch.Tensor:
     """Biased and penalised logits [rows, vocab] for a verify forward (or the first token's row).
     context: the committed tokens [L] (the prompt's num_prompt, then the output); draft_tokens [n]
     the forward scored after context[-1]; rows = n + 1, row 0 the last committed token's. tree_mask:
     the forward's ancestor mask [1 + n, 1 + n] (draftwise.tree), None for a chain. copy=False
     changes float32 logits in place (the caller keeps no other use of the raw ones: a copy of
-    25 rows of a 152k vocabulary costs 0.8 ms, a third of the rest)."""
+    25 rows of a 152k vocabulary costs 0.8 ms, a third of the rest). stop_ids: the tokens that
+    end the output, banned before params.min_new_tokens."""
     rows = logits.shape[0]
     logits = logits.float()
     if copy:
@@ -46,11 +49,15 @@ def penalize(logits: torch.Tensor, params: SamplingParams, context: torch.Tensor
     if params.logit_bias:
         ids, biases = zip(*params.logit_bias)
         logits[:, list(ids)] += torch.tensor(biases, dtype=torch.float32)
-    if not params.has_penalties:
-        return logits
     if tree_mask is None:
         tree_mask = torch.ones(rows, rows, dtype=torch.bool).tril()
     on_path = tree_mask[:rows, 1:].to(torch.float32)  # [rows, n]: the draft nodes each row's context holds
+    num_output = context.shape[0] - num_prompt
+    if stop_ids and num_output < params.min_new_tokens:
+        too_short = num_output + on_path.sum(dim=1) < params.min_new_tokens  # [rows]
+        logits[too_short.nonzero()[:, :1], sorted(stop_ids)] = float("-inf")
+    if not params.has_penalties:
+        return logits
     seen = torch.cat((context, draft_tokens)).unique()  # sorted ids of every token that may be penalised
     drafted = torch.zeros(draft_tokens.shape[0], seen.shape[0])
     drafted[torch.arange(draft_tokens.shape[0]), torch.searchsorted(seen, draft_tokens)] = 1.0

@@ -18,6 +18,7 @@ from draftwise.drafters.base import Drafter
 from draftwise.kv_cache import KVCache
 from draftwise.logprobs import TokenLogprob, token_logprob
 from draftwise.metrics import RequestMetrics
+from draftwise.structured import Constraint
 from draftwise.text_stream import TextStream
 
 
@@ -42,6 +43,8 @@ class Sequence:
     # The hidden-state rows the drafter observed, in context order, kept for a prefix cache
     # (draftwise.prefix_cache) when the drafter reads them; None: not kept.
     hidden_rows: list[torch.Tensor] | None = None
+    # The grammar's parser where params.grammar is set (draftwise.structured), at the committed output.
+    constraint: Constraint | None = None
     # Each output token's log-probability (params.logprobs set), in step with text.token_ids.
     logprobs: list[TokenLogprob] | None = field(init=False)
     # Each prompt token's, given the ones before it (params.prompt_logprobs set); None for the first.
@@ -83,6 +86,8 @@ class Sequence:
                 self.finish("stop")
                 return
             self.context = torch.cat((self.context, torch.tensor([token])))
+            if self.constraint is not None:
+                self.constraint.consume(token)
             if self.logprobs is not None:
                 self.logprobs.append(token_logprob(logits[index], token, self.params.logprobs))
             if self.text.push(token):

@@ -190,7 +190,7 @@ def _finish_chunk(seq: Sequence, rows: range, logits: torch.Tensor, hidden: torc
         seq.finish("length")
         return
     logits = logits[-1:]
-    scores = _penalized(seq, logits, empty_draft().tokens, None)
+    scores = _judged_rows(seq, logits, empty_draft().tokens, None)
     verdict = choose(empty_draft(), scores, seq.params, seq.generator, [len(seq.prompt_ids)])
     seq.metrics.prefill_s = time.perf_counter() - seq.started
     seq.metrics.record_step(0, 0, 1)
@@ -205,7 +205,7 @@ def _verify_and_commit(seq: Sequence, draft: Draft, segment: Segment, logits: to
     # Each row predicts the token one position past its own (the segment's positions hold the
     # tree depths already: computed once per step).
     predicted = (segment.positions + 1).tolist()
-    verdict = choose(draft, _penalized(seq, logits, draft.tokens, segment.attn_mask), seq.params, seq.generator,
+    verdict = choose(draft, _judged_rows(seq, logits, draft.tokens, segment.attn_mask), seq.params, seq.generator,
                      predicted)
     path = verdict.accepted_nodes()
     policy = seq.policy
@@ -232,15 +232,21 @@ def _verify_and_commit(seq: Sequence, draft: Draft, segment: Segment, logits: to
                logits[committed_rows] if seq.logprobs is not None else None)
 
 
-def _penalized(seq: Sequence, logits: torch.Tensor, draft_tokens: torch.Tensor,
-               tree_mask: torch.Tensor | None) -> torch.Tensor:
-    """The rows the verifier judges by: the target's logits, with the request's logit_bias and
-    each row penalised for the tokens on its own path where it sets penalties (draftwise.penalties)."""
-    if not seq.params.adjusts_logits:
-        return logits
-    # In place unless the raw rows are still wanted (their logprobs, which are the model's own).
-    return penalize(logits, seq.params, seq.context, len(seq.prompt_ids), draft_tokens, tree_mask,
-                    copy=seq.logprobs is not None)
+def _judged_rows(seq: Sequence, logits: torch.Tensor, draft_tokens: torch.Tensor,
+                 tree_mask: torch.Tensor | None) -> torch.Tensor:
+    """The rows the verifier judges by: the target's logits, with the request's logit_bias, each
+    row penalised for the tokens on its own path where it sets penalties (draftwise.penalties)
+    and masked to what its grammar allows there (draftwise.structured). In place unless the raw
+    rows are still wanted (their logprobs, which are the model's own)."""
+    scores = logits
+    if seq.params.adjusts_logits:
+        scores = penalize(logits, seq.params, seq.context, len(seq.prompt_ids), draft_tokens, tree_mask,
+                          copy=seq.logprobs is not None, stop_ids=seq.eos)
+    if seq.constraint is not None:
+        if scores is logits and seq.logprobs is not None:
+            scores = logits.clone()
+        seq.constraint.mask(scores, draft_tokens, tree_mask)
+    return scores
 
 
 def choose(draft: Draft, target_logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,

@@ -71,11 +71,20 @@ def test_empty_prompt_is_refused(smollm2, prompt):
 
 
 
-@pytest.mark.parametrize("prompt", [123, None, [1, 2], "not a list".encode()])
+@pytest.mark.parametrize("prompt", [123, None, [1.5, 2], "not a list".encode()])
 def test_a_prompt_that_is_neither_text_nor_chat_messages_is_refused_by_name(smollm2, prompt):
     """An int once reached the tokenizer as "'int' object is not iterable"."""
-    with pytest.raises(PromptError, match=f"a prompt is a string or a list of chat messages .* not {type(prompt).__name__}"):
+    with pytest.raises(PromptError, match=f"a prompt is a string, a list of chat messages .* or a list of token ids, "
+                                          f"not {type(prompt).__name__}"):
         Engine(smollm2).generate(prompt)
+
+
+def test_a_prompt_of_token_ids_is_the_text_it_encodes_and_ids_outside_the_vocabulary_are_refused(smollm2):
+    engine = Engine(smollm2)
+    text = "Shopping list:\n1. eggs\n2."
+    assert engine.generate(engine.encode(text), max_new_tokens=8).token_ids == engine.generate(text, max_new_tokens=8).token_ids
+    with pytest.raises(PromptError, match="outside"):
+        engine.generate([5, smollm2.model.info.vocab_size], max_new_tokens=2)
 
 
 def test_sampling_settings_can_be_given_by_name(smollm2):

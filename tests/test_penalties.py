@@ -85,6 +85,24 @@ def test_logit_bias_bans_and_forces_tokens_and_every_drafter_gives_the_same_outp
         engines["none"].generate(prompt, max_new_tokens=2, logit_bias={10**7: 1.0})
 
 
+def test_min_new_tokens_and_ignore_eos_move_the_end_and_every_drafter_follows(engines):
+    """The chat answer ends (EOS) after n tokens. min_new_tokens = n + 6 bans the end until then
+    (rows of a draft deeper than the count are free again), ignore_eos writes through it."""
+    prompt = [{"role": "user", "content": "Say hi."}]
+    ended = engines["none"].generate(prompt, max_new_tokens=48)
+    n = len(ended.token_ids)
+    assert ended.finish_reason == "stop" and n + 12 <= 48
+    longer = engines["none"].generate(prompt, max_new_tokens=48, min_new_tokens=n + 6)
+    assert len(longer.token_ids) >= n + 6 and longer.token_ids[:n] == ended.token_ids
+    through = engines["none"].generate(prompt, max_new_tokens=n + 12, ignore_eos=True)
+    assert len(through.token_ids) == n + 12 and through.token_ids[n] in engines["none"].target.model.info.eos_token_ids
+    for name in ("ngram", "eagle", "medusa"):
+        assert engines[name].generate(prompt, max_new_tokens=48, min_new_tokens=n + 6).token_ids == longer.token_ids
+        assert engines[name].generate(prompt, max_new_tokens=n + 12, ignore_eos=True).token_ids == through.token_ids
+    with pytest.raises(ConfigError, match="min_new_tokens"):
+        SamplingParams(max_new_tokens=4, min_new_tokens=5)
+
+
 @settings(max_examples=60, deadline=None)
 @given(data=st.data())
 def test_each_penalised_row_is_that_row_penalised_alone_with_its_path_as_context(data):

@@ -60,6 +60,21 @@ def test_the_python_api_example_runs_as_written():
     assert first_prompt <= second_turn.num_cached_prompt_tokens < second_turn.num_prompt_tokens
 
 
+def test_the_logprobs_examples_run_as_written():
+    lookup, perplexity = python_blocks("Log-probabilities: `logprobs`")
+    namespace, printed = run(lookup)
+    assert len(printed.splitlines()) == 4 and "' Paris'" in printed.splitlines()[0]  # SmolLM2's first choice
+    namespace, printed = run(perplexity)
+    assert printed.startswith("perplexity ") and 1.0 < float(printed.split()[1]) < 1000.0
+
+
+def test_the_structured_output_example_runs_as_written():
+    (code,) = python_blocks("Structured outputs: `grammar`, `response_format`")
+    namespace, printed = run(code)
+    person = __import__("json").loads(namespace["result"].text)
+    assert set(person) == {"name", "age"} and str(person["age"]) in printed
+
+
 def test_the_own_drafter_example_runs_as_written():
     (code,) = python_blocks("Your own drafter")
     namespace, _ = run(code, reference_text="def add(a, b):\n    return a + b\n")

@@ -1,11 +1,12 @@
 """The OpenAI wire format: pydantic models of the requests draftwise serves and their answers.
 
 Fields follow OpenAI's API reference; unknown fields are ignored as OpenAI does. Extensions:
-top_k, min_p, repetition_penalty and `speculative` (per-request draft ceiling, or "off") in requests, and
-usage.speculative in answers (draft tokens proposed/accepted, acceptance rate, mean accepted
+top_k, min_p, repetition_penalty, stop_token_ids, min_tokens, ignore_eos and `speculative`
+(per-request draft ceiling, or "off") in requests, and usage.speculative in answers (draft tokens proposed/accepted, acceptance rate, mean accepted
 length, per-position acceptance), where OpenAI clients see it. Log-probabilities (chat's
 logprobs + top_logprobs, completions' logprobs) are the model's (draftwise.logprobs): the same
-numbers with speculation as without.
+numbers with speculation as without. response_format (json_object, json_schema) constrains the
+output through draftwise.structured.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from draftwise import structured
 from draftwise.config import SamplingParams
 from draftwise.errors import ConfigError
 from draftwise.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_bytes
@@ -25,7 +27,6 @@ MAX_STOP_STRINGS = 16
 # their neutral values only, since ignoring e.g. frequency_penalty=1.0 would answer another
 # request than the one sent (a 400 names the field instead). Unknown fields are still ignored.
 NEUTRAL_ONLY = {
-    "response_format": (None, {"type": "text"}),
     "tools": (None, []), "functions": (None, []), "best_of": (None, 1),
 }
 
@@ -42,6 +43,31 @@ class SpeculativeOptions(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
     num_draft_tokens: int | None = Field(default=None, ge=0, le=256)
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict = Field(default_factory=dict, alias="schema")  # OpenAI's field name; "schema" shadows BaseModel's
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text, any JSON object, or JSON a schema allows (draftwise.structured)."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    def grammar(self) -> str | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return structured.json_object()
+        if self.json_schema is None:
+            raise ConfigError('response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}.')
+        return structured.json_schema(self.json_schema.json_schema or {})
 
 
 class StreamOptions(BaseModel):
@@ -61,6 +87,8 @@ class SamplingFields(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = Field(default=None, max_length=64)  # an extension, as vLLM's
+    min_tokens: int = Field(default=0, ge=0)  # extensions, as vLLM's: no end-of-sequence before this many
+    ignore_eos: bool = False  # ... and none at all (stop_token_ids still stop)
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1)
@@ -68,7 +96,7 @@ class SamplingFields(BaseModel):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)  # an extension, as vLLM's
     logit_bias: dict[str, float] | None = None
-    response_format: dict | None = None
+    response_format: ResponseFormat | None = None
     tools: list | None = None
     functions: list | None = None
     speculative: SpeculativeOptions | Literal["off"] | None = None
@@ -83,7 +111,7 @@ class SamplingFields(BaseModel):
             raise ValueError("n > 1 is not supported: send n separate requests (each may carry its own seed)")
         return n
 
-    @field_validator("response_format", "tools", "functions")
+    @field_validator("tools", "functions")
     @classmethod
     def _only_neutral(cls, value, info):
         return _neutral(info.field_name, value)
@@ -130,11 +158,13 @@ class SamplingFields(BaseModel):
         return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
                               seed=self.seed, max_new_tokens=max_new_tokens, stop=stop,
                               stop_token_ids=tuple(self.stop_token_ids or ()) + extra_stop_token_ids,
+                              min_new_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
                               sampling_mode=self.sampling_mode or default_mode, logprobs=self.num_logprobs(),
                               presence_penalty=self.presence_penalty or 0.0,
                               frequency_penalty=self.frequency_penalty or 0.0,
                               repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
                               logit_bias=self.token_biases(),
+                              grammar=self.response_format.grammar() if self.response_format is not None else None,
                               prompt_logprobs=self.num_prompt_logprobs())
 
 
