@@ -70,7 +70,7 @@ def run_step(model, sequences: list[Sequence], controller: BatchController | Non
     if not live:
         return report
     decoding = [seq for seq in live if not seq.prefilling]
-    drafts = _propose_all(decoding)
+    drafts = [_inside_grammar(seq, draft) for seq, draft in zip(decoding, _propose_all(decoding))]
     report.num_prefill_rows = sum(len(rows) for rows in chunks.values())
     if controller is not None and decoding:
         completing = sum(seq.num_prefilled + len(chunks[id(seq)]) == len(seq.prompt_ids)
@@ -140,6 +140,16 @@ def _propose_all(decoding: list[Sequence]) -> list[Draft]:
             drafts[index] = seq.drafter.propose(seq.context, budgets[index])
             _observe_draft(seq, budgets[index], time.perf_counter() - tic)
     return drafts
+
+
+def _inside_grammar(seq: Sequence, draft: Draft) -> Draft:
+    """A chain draft cut before its first token the request's grammar refuses (it would be
+    rejected at the verify: its row, and the rows after it, are saved). Trees are masked per row
+    at the verify instead (draftwise.structured)."""
+    if seq.constraint is None or draft.is_tree or not draft.tokens.shape[0]:
+        return draft
+    allowed = seq.constraint.allowed_prefix(draft.tokens)
+    return draft if allowed == draft.tokens.shape[0] else draft.trimmed(allowed)
 
 
 def _is_sequential(seq: Sequence) -> bool:

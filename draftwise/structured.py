@@ -98,6 +98,15 @@ class Constraint:
         allowed = ((bits.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).bool().flatten(1)
         logits.masked_fill_(~allowed[:, :logits.shape[1]], float("-inf"))
 
+    def allowed_prefix(self, draft_tokens: torch.Tensor) -> int:
+        """How many of a chain draft's first tokens the grammar accepts after the committed output:
+        the tokens past them would be rejected at the verify, so they need no row in it."""
+        tokens = draft_tokens.tolist()
+        accepted = self.matcher.try_consume_tokens(tokens) if tokens else 0
+        if accepted:
+            self.matcher.rollback(accepted)
+        return accepted
+
     def consume(self, token: int) -> None:
         if not self.matcher.consume_token(token):  # only a token its own mask allowed reaches here
             raise AssertionError(f"the grammar refused committed token {token}: {self.matcher.get_error()}")
