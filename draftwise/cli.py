@@ -93,6 +93,11 @@ def _add_sampling_flags(cmd, max_new_tokens: int) -> None:
                      help="rejection: rejection sampling; coupled: the text depends on the seed alone, whatever the "
                           f"drafter and draft lengths (default: {SamplingParams().sampling_mode})")
     cmd.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help=f"(default: {max_new_tokens})")
+    shape = cmd.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", metavar="SCHEMA",
+                       help="the output is JSON this schema allows: a file, or the schema itself as JSON")
+    shape.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    shape.add_argument("--regex", metavar="PATTERN", help="the output matches this regular expression in whole")
     cmd.add_argument("--min-new-tokens", type=int, default=0,
                      help="ban end-of-sequence tokens before this many new tokens (default: 0)")
     cmd.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -455,10 +460,31 @@ def _sampling_params(args):
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
         max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), sampling_mode=args.sampling_mode,
         min_new_tokens=args.min_new_tokens, ignore_eos=getattr(args, "ignore_eos", False),  # `generate` only
+        grammar=_grammar(args),
         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
         repetition_penalty=args.repetition_penalty,
         logprobs=getattr(args, "logprobs", None), prompt_logprobs=getattr(args, "prompt_logprobs", None),  # `generate` only
     )
+
+
+def _grammar(args) -> str | None:
+    """--json-schema / --json-object / --regex as a grammar (draftwise.structured), checked before
+    any model loads."""
+    from draftwise import structured
+    from draftwise.errors import ConfigError
+
+    if args.json_object:
+        return structured.json_object()
+    if args.regex is not None:
+        return structured.regex(args.regex)
+    if args.json_schema is None:
+        return None
+    source = Path(args.json_schema)
+    if not args.json_schema.lstrip().startswith("{"):
+        if not source.is_file():
+            raise ConfigError(f"--json-schema {args.json_schema}: no such file; give a schema file or the schema as JSON.")
+        return structured.json_schema(source.read_text())
+    return structured.json_schema(args.json_schema)
 
 
 def _with_token_text(result: dict, tokenizer) -> dict:

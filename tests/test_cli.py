@@ -46,6 +46,18 @@ def test_json_logprobs_name_each_token_and_match_its_ids(smollm2, capsys):
         assert [entry["logprob"] for entry in tail] == [entry["logprob"] for entry in entries]
 
 
+def test_json_schema_and_regex_flags_shape_the_output(smollm2, capsys, tmp_path):
+    schema = tmp_path / "person.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+                                  "required": ["name", "age"], "additionalProperties": False}))
+    code, out, _ = run(capsys, "generate", "A fictional person as JSON with name and age.", "--chat", "--json-schema",
+                       str(schema), "--max-new-tokens", "48", "--json", "--quiet")
+    person = json.loads(json.loads(out)["text"])
+    assert code == 0 and set(person) == {"name", "age"}
+    code, out, _ = run(capsys, "generate", "Call me at", "--regex", r"\(\d{3}\) \d{3}-\d{4}", "--json", "--quiet")
+    assert code == 0 and __import__("re").fullmatch(r"\(\d{3}\) \d{3}-\d{4}", json.loads(out)["text"])
+
+
 def test_generate_prints_text_then_statistics(smollm2, capsys):
     code, out, err = run(capsys, "generate", "Count from one to ten: one, two,", "--max-new-tokens", "10",
                          "--chat", "--stream", "--quiet")
@@ -80,6 +92,9 @@ def test_the_kv_cache_flag_reaches_the_target(smollm2, capsys, monkeypatch):
         (["generate", "hi", "--logprobs", "2"], "add --json"),
         (["generate", "hi", "--logprobs", "21", "--json"], "logprobs=21"),
         (["generate", "hi", "--max-new-tokens", "0"], "0 only scores a prompt"),
+        (["generate", "hi", "--json-schema", "no-such-schema.json"], "no such file"),
+        (["generate", "hi", "--json-schema", "{\"type\": \"object\", \"properties\": {\"a\": {\"$ref\": \"#/x\"}}}"],
+         "cannot be compiled"),
         (["generate", "hi", "--model", "no-such-model"], "unknown model 'no-such-model'"),
         (["generate", "hi", "--model", "/no/such/folder"], "unknown model"),
         (["generate", "hi", "--drafter", "model"], "--draft-model"),
