@@ -42,9 +42,27 @@ def token_logprob(logits_row: torch.Tensor, token_id: int, num_top: int) -> Toke
     logprobs = torch.log_softmax(logits_row.float(), dim=-1)
     top = ()
     if num_top:
-        values, ids = torch.topk(logprobs, min(num_top, logprobs.shape[0]))
+        values, ids = top_k(logprobs, min(num_top, logprobs.shape[0]))
         top = tuple(zip(ids.tolist(), values.tolist()))
     return TokenLogprob(token_id, float(logprobs[token_id]), top)
+
+
+CHUNK = 256
+
+
+def top_k(row: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.topk(row, k) (values, then ids, most probable first) in two stages: each chunk of 256's
+    maximum, then the k chunks with the largest maxima, which hold the k largest values (a chunk
+    holding one of them has a maximum at least the k-th largest, and at most k chunks do). On a
+    152k-token row, 0.55 ms for torch.topk here against the maxima's 24 us. Among exactly equal
+    values the ids may be others than torch.topk's (whose order among ties is unspecified too)."""
+    if row.shape[0] <= 16 * CHUNK:
+        return torch.topk(row, k)
+    pad = -row.shape[0] % CHUNK
+    chunks = torch.nn.functional.pad(row, (0, pad), value=float("-inf")).view(-1, CHUNK)
+    best_chunks = torch.topk(chunks.amax(dim=1), k).indices  # amax: max(dim) with its indices is 8x slower
+    values, within = torch.topk(chunks[best_chunks].flatten(), k)
+    return values, best_chunks[within // CHUNK] * CHUNK + within % CHUNK
 
 
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 import draftwise
 from draftwise import SamplingParams
@@ -92,6 +93,21 @@ def test_streamed_logprobs_add_up_to_the_results_and_stop_with_the_text(engines)
     assert [(e.token_id, e.logprob) for e in stopped.logprobs] == \
         [(e.token_id, e.logprob) for e in result.logprobs[:len(stopped.logprobs)]]
     assert engine.generate(PROMPTS[7], max_new_tokens=8).logprobs is None  # not asked: not computed
+
+
+@settings(max_examples=40, deadline=None)
+@given(size=st.integers(4097, 20000), k=st.integers(1, 20), seed=st.integers(0, 10**6), levels=st.sampled_from([0, 3, 50]))
+def test_two_stage_top_k_finds_torch_topks_values(size, k, seed, levels):
+    """Rows as long as a vocabulary, with many exact ties where levels > 0 (values rounded to a
+    few levels): the same values as torch.topk, in order, at distinct ids that hold them."""
+    from draftwise.logprobs import top_k
+
+    row = torch.randn(size, generator=torch.Generator().manual_seed(seed))
+    if levels:
+        row = torch.round(row * levels) / levels
+    values, ids = top_k(row, k)
+    assert torch.equal(values, torch.topk(row, k).values)
+    assert torch.equal(row[ids], values) and len(set(ids.tolist())) == k
 
 
 def test_logprobs_in_the_result_dict_and_bad_counts_refused():
