@@ -60,7 +60,8 @@ def top_k(row: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.topk(row, k)
     pad = -row.shape[0] % CHUNK
     chunks = torch.nn.functional.pad(row, (0, pad), value=float("-inf")).view(-1, CHUNK)
-    best_chunks = torch.topk(chunks.amax(dim=1), k).indices  # amax: max(dim) with its indices is 8x slower
+    # amax: max(dim) with its indices is 8x slower. Fewer chunks than k (a short row): all of them.
+    best_chunks = torch.topk(chunks.amax(dim=1), min(k, chunks.shape[0])).indices
     values, within = torch.topk(chunks[best_chunks].flatten(), k)
     return values, best_chunks[within // CHUNK] * CHUNK + within % CHUNK
 
