@@ -123,11 +123,9 @@ class Engine:
         """Token ids of a raw prompt, or of chat messages rendered by the model's chat template;
         token ids are taken as they are (checked against the vocabulary)."""
         if isinstance(prompt, (list, tuple)) and prompt and all(type(token) is int for token in prompt):
-            vocab_size = self.target.model.info.vocab_size
-            if not all(0 <= token < vocab_size for token in prompt):
-                bad = next(token for token in prompt if not 0 <= token < vocab_size)
-                raise PromptError(f"token id {bad} is outside {self.target.model.info.name}'s vocabulary of "
-                                  f"{vocab_size}: give ids from 0 to {vocab_size - 1}.")
+            outside = _outside_vocabulary("the prompt", prompt, self.target.model.info)
+            if outside:
+                raise PromptError(outside)
             return list(prompt)
         is_chat = isinstance(prompt, (list, tuple)) and all(isinstance(message, dict) for message in prompt)
         if not isinstance(prompt, str) and not is_chat:
@@ -188,10 +186,9 @@ class Engine:
             )
         for name, tokens in (("logit_bias", [token for token, _ in params.logit_bias]),
                              ("stop_token_ids", params.stop_token_ids)):
-            outside = [token for token in tokens if token >= model.info.vocab_size]
+            outside = _outside_vocabulary(name, tokens, model.info)
             if outside:
-                raise ConfigError(f"{name} names token {outside[0]}, outside {model.info.name}'s vocabulary of "
-                                  f"{model.info.vocab_size}: give ids from 0 to {model.info.vocab_size - 1}.")
+                raise ConfigError(outside)
         num_draft_tokens = self.num_draft_tokens if num_draft_tokens is None else min(num_draft_tokens, self.num_draft_tokens)
         # The context never exceeds prompt + max_new_tokens; a verify forward holds k more.
         max_length = min(len(prompt_ids) + params.max_new_tokens, max_context)
@@ -215,6 +212,15 @@ class Engine:
         """A sequence is done: a complete one leaves its keys and values to the prefix cache."""
         if self.prefix_cache is not None and seq.finish_reason in ("stop", "length"):
             self.prefix_cache.keep(seq)
+
+
+def _outside_vocabulary(name: str, tokens, info) -> str | None:
+    """The message for the first of tokens outside the model's vocabulary (None if all are in it)."""
+    outside = next((token for token in tokens if not 0 <= token < info.vocab_size), None)
+    if outside is None:
+        return None
+    return (f"{name} names token {outside}, outside {info.name}'s vocabulary of {info.vocab_size}: give ids "
+            f"from 0 to {info.vocab_size - 1}.")
 
 
 def stop_tokens(eos_token_ids: tuple[int, ...], params: SamplingParams) -> frozenset[int]:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from draftwise.config import SamplingParams
+from draftwise.tree import path_mask
 
 
 @torch.inference_mode()  # the forward's logits are inference tensors: changed in place only in this mode
@@ -49,9 +50,7 @@ def penalize(logits: torch.Tensor, params: SamplingParams, context: torch.Tensor
     if params.logit_bias:
         ids, biases = zip(*params.logit_bias)
         logits[:, list(ids)] += torch.tensor(biases, dtype=torch.float32)
-    if tree_mask is None:
-        tree_mask = torch.ones(rows, rows, dtype=torch.bool).tril()
-    on_path = tree_mask[:rows, 1:].to(torch.float32)  # [rows, n]: the draft nodes each row's context holds
+    on_path = path_mask(rows, tree_mask).to(torch.float32)  # [rows, n]: the draft nodes each row's context holds
     num_output = context.shape[0] - num_prompt
     if stop_ids and num_output < params.min_new_tokens:
         too_short = num_output + on_path.sum(dim=1) < params.min_new_tokens  # [rows]

@@ -204,7 +204,7 @@ def _finish_chunk(seq: Sequence, rows: range, logits: torch.Tensor, hidden: torc
     verdict = choose(empty_draft(), scores, seq.params, seq.generator, [len(seq.prompt_ids)])
     seq.metrics.prefill_s = time.perf_counter() - seq.started
     seq.metrics.record_step(0, 0, 1)
-    seq.commit([verdict.next_token], logits[-1:])
+    seq.commit([verdict.next_token], logits)
 
 
 def _verify_and_commit(seq: Sequence, draft: Draft, segment: Segment, logits: torch.Tensor,

@@ -20,6 +20,7 @@ import json
 import torch
 
 from draftwise.errors import ConfigError
+from draftwise.tree import path_mask
 
 
 def json_object() -> str:
@@ -86,8 +87,9 @@ class Constraint:
         rows = logits.shape[0]
         bitmask = ln.allocate_token_bitmask(rows, self.vocab_size)  # all bits set: everything allowed
         drafted = draft_tokens.tolist()
+        on_path = path_mask(rows, tree_mask)
         for row in range(rows):
-            path = drafted[:row] if tree_mask is None else [drafted[node] for node in tree_mask[row, 1:].nonzero()[:, 0].tolist()]
+            path = [drafted[node] for node in on_path[row].nonzero()[:, 0].tolist()]
             consumed = self.matcher.try_consume_tokens(path) if path else 0
             if consumed == len(path):
                 ln.fill_next_token_bitmask(self.matcher, bitmask, row)

@@ -47,6 +47,15 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     return mask
 
 
+def path_mask(rows: int, tree_mask: torch.Tensor | None) -> torch.Tensor:
+    """[rows, rows - 1] bool: which draft nodes lie on each verify row's path (row 0 the last
+    committed token's, row r > 0 node r - 1's): a tree's ancestor mask (ancestor_mask) without
+    its root column, or for a chain (tree_mask None) the first r nodes, node r - 1 included."""
+    if tree_mask is None:
+        return torch.ones(rows, rows, dtype=torch.bool).tril()[:, 1:]
+    return tree_mask[:rows, 1:]
+
+
 def children_lists(parents: torch.Tensor) -> list[list[int]]:
     """children_lists(parents)[r] lists the nodes whose parent is row r - 1 (r = 0: the root),
     in draft order: the order the verifier tries siblings in."""
