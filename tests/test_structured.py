@@ -58,7 +58,9 @@ def test_json_schema_output_is_valid_is_the_definition_and_every_drafter_gives_i
     assert set(person) == {"name", "age", "city"} and isinstance(person["age"], int)
     assert plain.finish_reason == "stop"  # the grammar completes, then the end of sequence
     assert plain.token_ids == _reference(engines["none"], PERSON, grammar, len(plain.token_ids))
-    assert not engines["none"].generate(PERSON, max_new_tokens=80).text.startswith("{")  # free text differs
+    # The grammar changed the answer (on this AMX Xeon the free one opens with prose; how it opens
+    # elsewhere is that CPU's rounding, so only the difference is asserted).
+    assert engines["none"].generate(PERSON, max_new_tokens=80).token_ids != plain.token_ids
     accepted = 0
     for name in ("ngram", "eagle", "medusa"):
         result = engines[name].generate(PERSON, max_new_tokens=80, grammar=grammar)
