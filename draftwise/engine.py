@@ -119,9 +119,11 @@ class Engine:
     def tokenizer(self):
         return self.target.tokenizer
 
-    def encode(self, prompt: Prompt) -> list[int]:
-        """Token ids of a raw prompt, or of chat messages rendered by the model's chat template;
-        token ids are taken as they are (checked against the vocabulary)."""
+    def encode(self, prompt: Prompt, tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a raw prompt, or of chat messages rendered by the model's chat template
+        (with tools, OpenAI's function definitions, where given: draftwise.tools.ToolUse checks
+        that the template shows them); token ids are taken as they are (checked against the
+        vocabulary)."""
         if isinstance(prompt, (list, tuple)) and prompt and all(type(token) is int for token in prompt):
             outside = _outside_vocabulary("the prompt", prompt, self.target.model.info)
             if outside:
@@ -135,11 +137,17 @@ class Engine:
             if not prompt.strip():
                 raise PromptError("the prompt is empty: give some text to continue.")
             return list(self.tokenizer.encode(prompt))
-        if not prompt or not any(m.get("content", "").strip() for m in prompt):
+        if not prompt or not any(isinstance(m.get("content"), str) and m["content"].strip() for m in prompt):
             raise PromptError("the chat has no message with content: add at least one message.")
         if not self.tokenizer.chat_template:
             raise PromptError(f"{self.target.model.info.name} has no chat template: pass a plain prompt instead.")
-        rendered = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        from jinja2 import TemplateError
+
+        try:
+            rendered = self.tokenizer.apply_chat_template(prompt, tools=tools or None, add_generation_prompt=True,
+                                                          tokenize=False)
+        except TemplateError as error:  # e.g. a template that wants user and assistant turns to alternate
+            raise PromptError(f"the chat template of {self.target.model.info.name} refused these messages: {error}") from None
         return list(self.tokenizer.encode(rendered, add_special_tokens=False))
 
     def generate(self, prompt: Prompt, params: SamplingParams | None = None, **sampling) -> GenerationResult:

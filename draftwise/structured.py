@@ -50,6 +50,14 @@ def regex(pattern: str) -> str:
     return _checked(LLMatcher.grammar_from_regex(pattern), "regex")
 
 
+def lark(source: str) -> str:
+    """The grammar of a Lark grammar in llguidance's dialect (which may embed JSON schemas with
+    `%json {...}` and refer to a special token as `<name>`)."""
+    from llguidance import LLMatcher
+
+    return _checked(LLMatcher.grammar_from_lark(source), "Lark grammar")
+
+
 def _checked(grammar: str, what: str) -> str:
     from llguidance import LLMatcher
 

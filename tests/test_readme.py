@@ -75,6 +75,14 @@ def test_the_structured_output_example_runs_as_written():
     assert set(person) == {"name", "age"} and str(person["age"]) in printed
 
 
+def test_the_tool_calls_example_runs_as_written():
+    (code,) = python_blocks("Tool calls: `tools`, `tool_choice`")
+    namespace, printed = run(code)
+    [call] = namespace["calls"]  # one call: parallel=False
+    assert call.name == "get_weather" and __import__("json").loads(call.arguments)["city"] == "Oslo"
+    assert printed.startswith(f"get_weather {call.arguments}")
+
+
 def test_the_own_drafter_example_runs_as_written():
     (code,) = python_blocks("Your own drafter")
     namespace, _ = run(code, reference_text="def add(a, b):\n    return a + b\n")

@@ -377,8 +377,10 @@ BAD_INPUTS = [
     ("a schema that cannot compile", {"messages": [{"role": "user", "content": "hi"}], "response_format": {
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}},
      {}, 400, "JSON schema cannot be compiled"),
-    ("tools", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, {}, 400,
-     "tools is not supported"),
+    ("tools without a function", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
+     {}, 400, "tools.0.function"),
+    ("tools the model's template cannot show", {"messages": [{"role": "user", "content": "hi"}], "tools": [
+        {"type": "function", "function": {"name": "get_time"}}]}, {}, 400, "has no place for tools"),
     # a seed the random generator cannot take: once a 500-less hang (it killed the batch loop)
     ("seed beyond 64 bits", {"messages": [{"role": "user", "content": "hi"}], "seed": 2**64}, {}, 400, "seed"),
 ]
@@ -414,6 +416,7 @@ def test_unimplemented_fields_at_their_neutral_values_are_accepted(server):
     response = httpx.post(server.url + "/v1/completions", headers=headers, timeout=60,
                           json={"prompt": "Once", "tools": [{"type": "function"}], "max_tokens": 3})
     assert response.status_code == 400 and response.json()["error"]["param"] == "tools"
+    assert "/v1/chat/completions" in response.json()["error"]["message"]
     response = httpx.post(server.url + "/v1/completions", headers=headers, timeout=60,
                           json={"prompt": "def f(", "suffix": "    return x\n", "max_tokens": 3})
     assert response.status_code == 400 and "fill-in-the-middle" in response.json()["error"]["message"]

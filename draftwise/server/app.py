@@ -17,7 +17,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
@@ -31,6 +31,7 @@ from draftwise.scheduler import DEFAULT_MAX_TOKENS, Event, QueueFull, Request, S
 from draftwise.server.metrics import ServerMetrics
 from draftwise.server.protocol import (ChatCompletionRequest, CompletionRequest, SamplingFields, TextOffsets,
                                        chat_logprobs, completion_logprobs, error_body, usage)
+from draftwise.tools import ToolUse
 
 logger = logging.getLogger(__name__)
 
@@ -138,13 +139,20 @@ def create_app(engine: Engine, scheduler: Scheduler, settings: ServerSettings = 
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: HTTPRequest):
-        return await _complete(body, body.chat(), "chat", request)
+        try:
+            tool_use = body.tool_use(engine.tokenizer)
+            prompt = body.chat()
+        except DraftwiseError as error:
+            param = "tools" if body.tools else "tool_choice" if body.tool_choice else "messages"
+            raise APIError(400, str(error), param=param) from None
+        return await _complete(body, prompt, "chat", request, tool_use)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: HTTPRequest):
         return await _complete(body, body.text(), "text", request)
 
-    async def _complete(body: SamplingFields, prompt, kind: str, http_request: HTTPRequest):
+    async def _complete(body: SamplingFields, prompt, kind: str, http_request: HTTPRequest,
+                        tool_use: ToolUse | None = None):
         arrived = time.perf_counter()
         if body.model not in (None, "", served):
             raise APIError(404, f"model {body.model!r} is not served here; this server serves {served!r} (GET /v1/models).",
@@ -154,13 +162,15 @@ def create_app(engine: Engine, scheduler: Scheduler, settings: ServerSettings = 
             if kind == "text" and body.suffix:
                 prompt_ids, infill_stops = infill_prompt(engine.tokenizer, prompt, body.suffix)
             else:
-                prompt_ids = engine.encode(prompt)
+                prompt_ids = engine.encode(prompt, tool_use.tools if tool_use is not None else None)
         except DraftwiseError as error:
             raise APIError(400, str(error), param="suffix" if kind == "text" and body.suffix else
                            "messages" if kind == "chat" else "prompt") from None
         max_tokens = _max_tokens(body, len(prompt_ids), max_context, settings, kind)
         try:
             params = body.sampling_params(max_tokens, settings.sampling_mode, infill_stops)
+            if tool_use is not None and tool_use.active:
+                params = replace(params, stop=params.stop + tool_use.stop, grammar=tool_use.grammar)
         except DraftwiseError as error:
             raise APIError(400, str(error)) from None
         loop = asyncio.get_running_loop()
@@ -181,7 +191,7 @@ def create_app(engine: Engine, scheduler: Scheduler, settings: ServerSettings = 
             raise APIError(503, str(error), "server_error") from None
         answer = Answer(kind, served, job, events, arrived, settings.request_timeout_s, metrics,
                         engine.tokenizer if params.logprobs is not None else None,
-                        _echo(prompt, engine.tokenizer) if kind == "text" and body.echo else None)
+                        _echo(prompt, engine.tokenizer) if kind == "text" and body.echo else None, tool_use)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(answer.stream(scheduler, include_usage), media_type="text/event-stream",
@@ -203,10 +213,12 @@ class Answer:
     """Turns a request's scheduler events into an OpenAI response, whole or streamed."""
 
     def __init__(self, kind: str, model: str, job: Request, events: asyncio.Queue, arrived: float, timeout_s: float,
-                 metrics: ServerMetrics, tokenizer=None, echo: str | None = None) -> None:
+                 metrics: ServerMetrics, tokenizer=None, echo: str | None = None, tool_use: ToolUse | None = None) -> None:
         """tokenizer: where the request asked for logprobs (their tokens' text), else None. echo:
-        a completion's prompt, where the answer starts with it (and its tokens' logprobs)."""
+        a completion's prompt, where the answer starts with it (and its tokens' logprobs).
+        tool_use: a chat request's tools, whose calls are read out of the reply."""
         self.kind, self.model, self.job, self.events = kind, model, job, events
+        self.tool_use = tool_use if tool_use is not None and tool_use.active else None
         self.tokenizer = tokenizer
         self.echo = echo
         self.offsets = TextOffsets(tokenizer) if tokenizer is not None and kind == "text" else None
@@ -276,8 +288,14 @@ class Answer:
         else:
             logprobs = self._logprobs(result.logprobs or [])
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                      "finish_reason": result.finish_reason}
+            message, calls = {"role": "assistant", "content": text}, []
+            if self.tool_use is not None:
+                content, calls = self.tool_use.parse(text)
+                message["content"] = content if content.strip() or not calls else None
+                if calls:
+                    message["tool_calls"] = [call.openai() for call in calls]
+            choice = {"index": 0, "message": message, "logprobs": logprobs,
+                      "finish_reason": _finish_reason(result.finish_reason, bool(calls))}
             kind = "chat.completion"
         else:
             choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": result.finish_reason}
@@ -286,11 +304,14 @@ class Answer:
                 "usage": usage(result.metrics)}
 
     def _chunk(self, delta: str | None, finish_reason: str | None = None, first: bool = False,
-               logprobs: list | None = None, token_ids: list[int] | None = None) -> dict:
-        """A streamed chunk; logprobs: those of the tokens committed since the previous chunk."""
+               logprobs: list | None = None, token_ids: list[int] | None = None, tool_calls: list | None = None) -> dict:
+        """A streamed chunk; logprobs: those of the tokens committed since the previous chunk;
+        tool_calls: the calls completed since then ({"index", "id", "type", "function"} each)."""
         lp = self._logprobs(logprobs, token_ids) if logprobs else None
         if self.kind == "chat":
             content = {"role": "assistant", "content": ""} if first else ({} if delta is None else {"content": delta})
+            if tool_calls:
+                content["tool_calls"] = tool_calls
             choice = {"index": 0, "delta": content, "logprobs": lp, "finish_reason": finish_reason}
             kind = "chat.completion.chunk"
         else:
@@ -304,6 +325,8 @@ class Answer:
             if self.kind == "chat":
                 yield _sse(self._chunk(None, first=True))
             echoed = self.echo is None
+            reader = self.tool_use.reader() if self.tool_use is not None else None
+            num_calls = 0
             while True:
                 try:
                     event = await self.next_event()
@@ -314,12 +337,22 @@ class Answer:
                     echoed = True
                     ids, entries = self._echoed_prompt()
                     yield _sse(self._chunk(self.echo, logprobs=entries, token_ids=ids))
-                if event.delta:
-                    yield _sse(self._chunk(event.delta, logprobs=event.logprobs))
+                delta, calls = event.delta, []
+                if self.tool_use is not None:
+                    delta, calls = reader.feed(event.delta)
+                    if event.result is not None:
+                        rest, more = reader.finish()
+                        delta, calls = delta + rest, calls + more
+                # the event's logprobs go out with it, even where its text is held back (a tool call's)
+                carries_logprobs = bool(delta or calls or event.logprobs)
+                if carries_logprobs:
+                    yield _sse(self._chunk(delta or None, logprobs=event.logprobs,
+                                           tool_calls=[call.openai(num_calls + i) for i, call in enumerate(calls)]))
+                num_calls += len(calls)
                 if event.result is not None:
                     finished = True
-                    yield _sse(self._chunk(None, event.result.finish_reason,
-                                           logprobs=None if event.delta else event.logprobs))
+                    yield _sse(self._chunk(None, _finish_reason(event.result.finish_reason, num_calls > 0),
+                                           logprobs=None if carries_logprobs else event.logprobs))
                     if include_usage:
                         yield _sse({"id": self.id, "object": self._chunk(None)["object"], "created": self.created,
                                     "model": self.model, "choices": [], "usage": usage(event.result.metrics)})
@@ -333,6 +366,11 @@ class Answer:
 def _echo(prompt: str | list[int], tokenizer) -> str:
     """An echoed prompt's text: as sent, or its token ids' decoded text."""
     return prompt if isinstance(prompt, str) else tokenizer.decode(prompt, skip_special_tokens=True)
+
+
+def _finish_reason(reason: str, made_calls: bool) -> str:
+    """OpenAI's "tool_calls" where a reply that ended on its own made calls."""
+    return "tool_calls" if made_calls and reason == "stop" else reason
 
 
 def _sse(payload: dict) -> str:

@@ -6,12 +6,14 @@ top_k, min_p, repetition_penalty, stop_token_ids, min_tokens, ignore_eos and `sp
 length, per-position acceptance), where OpenAI clients see it. Log-probabilities (chat's
 logprobs + top_logprobs, completions' logprobs) are the model's (draftwise.logprobs): the same
 numbers with speculation as without. response_format (json_object, json_schema) constrains the
-output through draftwise.structured.
+output through draftwise.structured; tools, tool_choice and parallel_tool_calls go through
+draftwise.tools (the history's tool_calls and tool messages to the chat template as it takes them).
 """
 
 from __future__ import annotations
 
 import codecs
+import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -21,20 +23,24 @@ from draftwise.config import SamplingParams
 from draftwise.errors import ConfigError
 from draftwise.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_bytes
 from draftwise.metrics import RequestMetrics
+from draftwise.tools import ToolUse
 
 MAX_STOP_STRINGS = 16
 # OpenAI request fields that change the answer and draftwise does not implement: accepted at
 # their neutral values only, since ignoring e.g. frequency_penalty=1.0 would answer another
 # request than the one sent (a 400 names the field instead). Unknown fields are still ignored.
 NEUTRAL_ONLY = {
-    "tools": (None, []), "functions": (None, []), "best_of": (None, 1),
+    "functions": (None, []), "function_call": (None, "none", "auto"), "best_of": (None, 1), "tools": (None, []),
 }
+INSTEAD = {"tools": "send them to /v1/chat/completions, where the model's chat template shows them",
+           "functions": "send tools instead (functions is OpenAI's deprecated form of them)",
+           "function_call": "send tool_choice instead (function_call is OpenAI's deprecated form of it)"}
 
 
 def _neutral(name: str, value):
     if value not in NEUTRAL_ONLY[name]:
-        raise ValueError(f"{name} is not supported by draftwise (got {value!r}): leave it unset; the output would "
-                         "otherwise not be what the request asks for")
+        instead = INSTEAD.get(name, "leave it unset; the output would otherwise not be what the request asks for")
+        raise ValueError(f"{name} is not supported by draftwise (got {value!r}): {instead}")
     return value
 
 
@@ -97,8 +103,6 @@ class SamplingFields(BaseModel):
     repetition_penalty: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)  # an extension, as vLLM's
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
-    tools: list | None = None
-    functions: list | None = None
     speculative: SpeculativeOptions | Literal["off"] | None = None
     # "coupled": the text depends on the seed alone, never on the batch or the drafts
     # (draftwise.sampling); "rejection": rejection sampling. None: the server's default.
@@ -110,11 +114,6 @@ class SamplingFields(BaseModel):
         if n != 1:
             raise ValueError("n > 1 is not supported: send n separate requests (each may carry its own seed)")
         return n
-
-    @field_validator("tools", "functions")
-    @classmethod
-    def _only_neutral(cls, value, info):
-        return _neutral(info.field_name, value)
 
     @field_validator("stop")
     @classmethod
@@ -173,10 +172,68 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: str = "{}"  # a JSON object, as text
+
+
+class MessageToolCall(BaseModel):
+    """A call an earlier assistant turn made (the history of a conversation with tools)."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")  # OpenAI's rule for names
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+    name: str | None = None
+
+    def template_message(self, index: int) -> dict:
+        """This message as chat templates take it ("developer" is OpenAI's newer name for
+        "system"; a call's arguments as an object, which templates write out as JSON)."""
+        message = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": call.id, "type": "function",
+                 "function": {"name": call.function.name, "arguments": _arguments(call.function.arguments, index, i)}}
+                for i, call in enumerate(self.tool_calls)]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -186,6 +243,11 @@ class Message(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[Message] = Field(min_length=1)
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    functions: list | None = None
+    function_call: str | dict | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -196,15 +258,33 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("top_logprobs needs logprobs: true")
         return self
 
+    @field_validator("functions", "function_call")
+    @classmethod
+    def _only_neutral(cls, value, info):
+        return _neutral(info.field_name, value)
+
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def chat(self) -> list[dict[str, str]]:
-        # "developer" is OpenAI's newer name for "system"; chat templates know "system".
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+    def chat(self) -> list[dict]:
+        return [message.template_message(index) for index, message in enumerate(self.messages)]
+
+    def tool_use(self, tokenizer) -> ToolUse | None:
+        """The request's tools as draftwise.tools reads them (None: no tools)."""
+        choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
+        if not self.tools:
+            if choice not in (None, "none", "auto"):
+                raise ConfigError(f"tool_choice {choice!r} needs tools: send the functions it may call in tools.")
+            return None
+        use = ToolUse(tokenizer, [tool.model_dump(exclude_none=True) for tool in self.tools], choice or "auto",
+                      self.parallel_tool_calls)
+        if use.active and self.response_format is not None and self.response_format.type != "text":
+            raise ConfigError("response_format with tools is not supported yet: send one of them (tool_choice "
+                              '"none" keeps the tools out of it).')
+        return use
 
 
 class CompletionRequest(SamplingFields):
@@ -216,10 +296,11 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     max_tokens: int | None = Field(default=None, ge=0)
     best_of: int | None = None
+    tools: list | None = None  # chat's: refused here, rather than ignored
     # fill-in-the-middle: the prompt is the code before, suffix the code after (draftwise.infill)
     suffix: str | None = None
 
-    @field_validator("best_of")
+    @field_validator("best_of", "tools")
     @classmethod
     def _only_neutral_here(cls, value, info):  # another name: the same one would replace the fields' above
         return _neutral(info.field_name, value)
@@ -328,3 +409,15 @@ def completion_logprobs(token_ids: list[int], entries: list[TokenLogprob | None]
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
     """OpenAI's error format."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def _arguments(text: str, message: int, call: int) -> dict:
+    """An earlier call's arguments (JSON text, as OpenAI sends them) as the object they encode."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise ConfigError(f"messages[{message}].tool_calls[{call}].function.arguments is not a JSON object "
+                          f"({text[:60]!r}): send the arguments the call was made with, as JSON text.")
+    return value
