@@ -74,6 +74,7 @@ class NoDrafter:
     """Plain decoding: every step proposes nothing, so each target forward commits one token."""
 
     sequential = False
+    is_plain = True  # not even a grammar's forced tokens are drafted (draftwise.step)
 
     def begin(self, params: SamplingParams, generator: torch.Generator, max_length: int) -> None:
         pass

@@ -14,6 +14,9 @@ class RequestMetrics:
     num_target_forwards: int = 0  # prefill included: it commits the first token
     num_draft_tokens: int = 0  # proposed
     num_accepted_tokens: int = 0
+    # committed as drafts the request's grammar forced (draftwise.structured), not the drafter's:
+    # outside num_draft_tokens / num_accepted_tokens, so those stay the drafter's own record
+    num_forced_tokens: int = 0
     proposed_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     prefill_s: float = 0.0
@@ -76,6 +79,7 @@ class RequestMetrics:
             "num_target_forwards": self.num_target_forwards,
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
+            "num_forced_tokens": self.num_forced_tokens,
             "acceptance_rate": self.acceptance_rate,
             "mean_accepted_length": self.mean_accepted_length,
             "per_position_acceptance": self.per_position_acceptance,

@@ -28,6 +28,10 @@ from draftwise.sequence import Sequence
 from draftwise.verify import Verdict, verify_greedy, verify_rejection, verify_tree_greedy, verify_tree_rejection
 
 
+# The key of a draft the request's grammar forced (Constraint.forced) rather than its drafter
+# proposed: verified as any chain, kept out of the draft-length policy's statistics.
+FORCED = ("grammar", "forced")
+
 # The most prompt tokens a step prefills for a request that scores its prompt (prompt_logprobs):
 # each row's logits are kept, [rows, vocab] float32, 155 MB for 256 rows of Qwen2.5's 152k
 # vocabulary. Chunks compute what one forward would (batch invariance): the same numbers.
@@ -75,10 +79,12 @@ def run_step(model, sequences: list[Sequence], controller: BatchController | Non
     if controller is not None and decoding:
         completing = sum(seq.num_prefilled + len(chunks[id(seq)]) == len(seq.prompt_ids)
                          for seq in live if seq.prefilling)
-        choices = [(seq.policy, draft) for seq, draft in zip(decoding, drafts)]
-        allocation = controller.allocate(choices, len(decoding) + report.num_prefill_rows, len(decoding) + completing,
-                                         report.num_prefill_rows)
-        drafts = [draft.trimmed(size) if size < draft.tokens.shape[0] else draft
+        # A forced draft is kept whole: its rows commit a token each, as the fixed rows do.
+        num_forced = sum(draft.tokens.shape[0] for draft in drafts if draft.key == FORCED)
+        choices = [(seq.policy, empty_draft() if draft.key == FORCED else draft) for seq, draft in zip(decoding, drafts)]
+        allocation = controller.allocate(choices, len(decoding) + report.num_prefill_rows + num_forced,
+                                         len(decoding) + completing + num_forced, report.num_prefill_rows)
+        drafts = [draft.trimmed(size) if size < draft.tokens.shape[0] and draft.key != FORCED else draft
                   for draft, size in zip(drafts, allocation.sizes)]
     report.draft_tokens_chosen = [draft.tokens.shape[0] for draft in drafts]
 
@@ -120,8 +126,10 @@ def _propose_all(decoding: list[Sequence]) -> list[Draft]:
     policy first: it pays a forward per token). Sequences whose drafters share one draft model
     (forks of one drafter with `propose_together`) draft together: each draft forward runs once
     for all of them, and each still gets the draft it would make alone (batch invariance)."""
-    budgets = [_budget(seq) for seq in decoding]
-    drafts: list[Draft | None] = [empty_draft() if budget == 0 else None for budget in budgets]
+    drafts: list[Draft | None] = [_forced_draft(seq) for seq in decoding]
+    budgets = [0 if draft is not None else _budget(seq) for seq, draft in zip(decoding, drafts)]
+    drafts = [draft if draft is not None else empty_draft() if budget == 0 else None
+              for draft, budget in zip(drafts, budgets)]
     groups: dict[tuple, list[int]] = {}
     for index, seq in enumerate(decoding):
         if drafts[index] is None and hasattr(seq.drafter, "propose_together"):
@@ -142,11 +150,23 @@ def _propose_all(decoding: list[Sequence]) -> list[Draft]:
     return drafts
 
 
+def _forced_draft(seq: Sequence) -> Draft | None:
+    """The tokens the request's grammar forces next, as this step's draft in place of the
+    drafter's (which is not asked): the target accepts them unless it prefers another
+    tokenization of the same text, and the drafter, not knowing the grammar, would guess them
+    worse (a JSON schema's keys, a tool call's tags and name). None: nothing forced, or a request
+    that does not speculate (plain decoding, or a draft budget of 0)."""
+    if seq.constraint is None or getattr(seq.drafter, "is_plain", False):
+        return None
+    forced = seq.constraint.forced(seq.draft_budget())
+    return Draft(torch.tensor(forced, dtype=torch.long), None, FORCED) if forced else None
+
+
 def _inside_grammar(seq: Sequence, draft: Draft) -> Draft:
     """A chain draft cut before its first token the request's grammar refuses (it would be
     rejected at the verify: its row, and the rows after it, are saved). Trees are masked per row
     at the verify instead (draftwise.structured)."""
-    if seq.constraint is None or draft.is_tree or not draft.tokens.shape[0]:
+    if seq.constraint is None or draft.is_tree or not draft.tokens.shape[0] or draft.key == FORCED:
         return draft
     allowed = seq.constraint.allowed_prefix(draft.tokens)
     return draft if allowed == draft.tokens.shape[0] else draft.trimmed(allowed)
@@ -219,7 +239,8 @@ def _verify_and_commit(seq: Sequence, draft: Draft, segment: Segment, logits: to
                      predicted)
     path = verdict.accepted_nodes()
     policy = seq.policy
-    if policy is not None and num_proposed:
+    forced = draft.key == FORCED
+    if policy is not None and num_proposed and not forced:
         if draft.scores is not None:
             policy.observe_tree_verdict(draft.key, float(draft.scores.sum()), verdict.num_accepted)
         else:
@@ -237,7 +258,11 @@ def _verify_and_commit(seq: Sequence, draft: Draft, segment: Segment, logits: to
     metrics.target_forward_s += forward_s
     metrics.verify_s += forward_s + time.perf_counter() - tic
     depth = max(predicted) - num_committed  # how far the draft reached: a chain's length, a tree's depth
-    metrics.record_step(num_proposed, verdict.num_accepted, verdict.num_accepted + 1, depth)
+    if forced:  # the drafter's record stays its own
+        metrics.num_forced_tokens += verdict.num_accepted
+        metrics.record_step(0, 0, verdict.num_accepted + 1)
+    else:
+        metrics.record_step(num_proposed, verdict.num_accepted, verdict.num_accepted + 1, depth)
     seq.commit(draft.tokens[path].tolist() + [verdict.next_token],
                logits[committed_rows] if seq.logprobs is not None else None)
 

@@ -108,6 +108,12 @@ class Constraint:
         allowed = ((bits.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).bool().flatten(1)
         logits.masked_fill_(~allowed[:, :logits.shape[1]], float("-inf"))
 
+    def forced(self, limit: int) -> list[int]:
+        """The next tokens the grammar leaves no choice about (llguidance's fast-forward tokens:
+        the only text that may follow, in the tokenizer's own tokenization), at most limit: a
+        draft the target accepts unless it prefers another tokenization of that text."""
+        return self.matcher.compute_ff_tokens()[:limit] if limit > 0 else []
+
     def allowed_prefix(self, draft_tokens: torch.Tensor) -> int:
         """How many of a chain draft's first tokens the grammar accepts after the committed output:
         the tokens past them would be rejected at the verify, so they need no row in it."""

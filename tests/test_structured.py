@@ -124,3 +124,24 @@ def test_chain_drafts_are_cut_at_the_first_token_the_grammar_refuses(engines, mo
     whole = engines["ngram"].generate(PERSON, max_new_tokens=80, grammar=grammar)
     assert cut.token_ids == whole.token_ids
     assert cut.metrics.num_draft_tokens < whole.metrics.num_draft_tokens
+
+
+def test_tokens_the_grammar_forces_are_drafted_and_change_no_token(engines, monkeypatch):
+    """A grammar's literal text (here a regex's keys and punctuation) is forced: drafted as it is
+    (the drafter is not asked that step), it saves target forwards, leaves the drafter's own
+    acceptance record alone, and the output is plain decoding's; plain decoding drafts nothing."""
+    from draftwise import step
+
+    grammar = structured.regex(r'\{"name": "[A-Z][a-z]+", "city": "[A-Z][a-z]+", "country": "[A-Z][a-z]+"\}')
+    plain = engines["none"].generate(PERSON, max_new_tokens=48, grammar=grammar)
+    assert re.fullmatch(r'\{"name": "[A-Z][a-z]+", "city": "[A-Z][a-z]+", "country": "[A-Z][a-z]+"\}', plain.text)
+    assert plain.metrics.num_forced_tokens == 0 and plain.metrics.num_target_forwards == len(plain.token_ids) + 1
+    for name in ("ngram", "eagle"):
+        forced = engines[name].generate(PERSON, max_new_tokens=48, grammar=grammar)
+        assert forced.token_ids == plain.token_ids, name
+        assert forced.metrics.num_forced_tokens >= 6, name  # '{"', 'name', '":', ' "', ... at least
+        with monkeypatch.context() as patch:
+            patch.setattr(step, "_forced_draft", lambda seq: None)
+            unforced = engines[name].generate(PERSON, max_new_tokens=48, grammar=grammar)
+        assert unforced.token_ids == plain.token_ids and unforced.metrics.num_forced_tokens == 0, name
+        assert forced.metrics.num_target_forwards < unforced.metrics.num_target_forwards, name
