@@ -25,6 +25,13 @@ def _add_generate(subparsers) -> None:
                      help="generate through end-of-sequence tokens: exactly --max-new-tokens tokens (measurements)")
     cmd.add_argument("--suffix", help="fill in the middle: the prompt is the code before, this the code after; needs a "
                                       "model trained for it (its vocabulary has <|fim_prefix|>...: qwen2.5-coder-*)")
+    cmd.add_argument("--tools", metavar="TOOLS",
+                     help="with --chat: functions the model may call, OpenAI's tools list ([{\"type\": \"function\", "
+                          "\"function\": {\"name\", \"description\", \"parameters\"}}]) as a file or as JSON; "
+                          "--json then gives the calls under \"tool_calls\"")
+    cmd.add_argument("--tool-choice", default="auto", metavar="CHOICE",
+                     help="with --tools: auto (the model decides), required (at least one call), none, or a "
+                          "function's name (a call of it)")
     cmd.add_argument("--stream", action="store_true", help="print text as it is generated")
     cmd.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, finish_reason, metrics")
     cmd.add_argument("--logprobs", type=int, metavar="N",
@@ -487,6 +494,21 @@ def _grammar(args) -> str | None:
     return structured.json_schema(args.json_schema)
 
 
+def _read_json_argument(flag: str, value: str):
+    """A flag's JSON: given as it is, or the path of a file holding it."""
+    from draftwise.errors import ConfigError
+
+    text = value
+    if not value.lstrip().startswith(("[", "{")):
+        if not Path(value).is_file():
+            raise ConfigError(f"{flag} {value}: no such file; give a file or the JSON itself.")
+        text = Path(value).read_text()
+    try:
+        return json.loads(text)
+    except ValueError as error:
+        raise ConfigError(f"{flag}: not valid JSON ({error}).") from None
+
+
 def _with_token_text(result: dict, tokenizer) -> dict:
     """--json's logprobs (and prompt_logprobs) with each token's text beside its id."""
     from draftwise.logprobs import token_text
@@ -532,10 +554,27 @@ def _generate(args) -> int:
             raise ConfigError(f"{flag} are printed in the --json output: add --json.")
     if args.suffix is not None and args.chat:
         raise ConfigError("--suffix fills in the middle of a raw prompt: leave out --chat.")
+    if args.tools is not None and not args.chat:
+        raise ConfigError("--tools are shown to the model by its chat template: add --chat.")
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     params = _sampling_params(args)
+    tools_list = _read_json_argument("--tools", args.tools) if args.tools is not None else None
     engine = _load_engine(args)
     request = [{"role": "user", "content": prompt}] if args.chat else prompt
+    tools = None
+    if tools_list is not None:
+        from dataclasses import replace
+
+        from draftwise.tools import CHOICES, ToolUse
+
+        choice = args.tool_choice if args.tool_choice in CHOICES else {"type": "function",
+                                                                        "function": {"name": args.tool_choice}}
+        tools = ToolUse(engine.tokenizer, tools_list, choice)
+        if tools.grammar is not None and params.grammar is not None:
+            raise ConfigError(f"--tool-choice {args.tool_choice} is a grammar of its own: leave out --json-schema, "
+                              "--json-object and --regex.")
+        request = engine.encode(request, tools.tools)
+        params = replace(params, stop=params.stop + tools.stop, grammar=tools.grammar or params.grammar)
     if args.suffix is not None:
         from dataclasses import replace
 
@@ -549,7 +588,11 @@ def _generate(args) -> int:
             print(update.delta, end="", flush=True)
         result = update.result or result
     if args.json:
-        print(json.dumps(_with_token_text(result.to_dict(), engine.tokenizer)))
+        out = _with_token_text(result.to_dict(), engine.tokenizer)
+        if tools is not None:
+            content, calls = tools.parse(result.text)
+            out["content"], out["tool_calls"] = content, [call.openai() for call in calls]
+        print(json.dumps(out))
     else:
         if not args.stream:
             print(result.text, end="")

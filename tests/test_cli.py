@@ -58,6 +58,19 @@ def test_json_schema_and_regex_flags_shape_the_output(smollm2, capsys, tmp_path)
     assert code == 0 and __import__("re").fullmatch(r"\(\d{3}\) \d{3}-\d{4}", json.loads(out)["text"])
 
 
+def test_tools_flags_give_the_calls_in_the_json(capsys, tmp_path):
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps([{"type": "function", "function": {
+        "name": "get_weather", "description": "Get the current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]))
+    code, out, _ = run(capsys, "generate", "Do I need a coat in Oslo today?", "--chat", "--model", "qwen2.5-coder-0.5b",
+                       "--tools", str(tools), "--tool-choice", "get_weather", "--max-new-tokens", "40", "--json", "--quiet")
+    payload = json.loads(out)
+    assert code == 0 and payload["content"] == ""
+    [call] = payload["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Oslo"}
+
+
 def test_generate_prints_text_then_statistics(smollm2, capsys):
     code, out, err = run(capsys, "generate", "Count from one to ten: one, two,", "--max-new-tokens", "10",
                          "--chat", "--stream", "--quiet")
@@ -95,6 +108,10 @@ def test_the_kv_cache_flag_reaches_the_target(smollm2, capsys, monkeypatch):
         (["generate", "hi", "--json-schema", "no-such-schema.json"], "no such file"),
         (["generate", "hi", "--json-schema", "{\"type\": \"object\", \"properties\": {\"a\": {\"$ref\": \"#/x\"}}}"],
          "cannot be compiled"),
+        (["generate", "hi", "--tools", "[]"], "add --chat"),
+        (["generate", "hi", "--chat", "--tools", "no-such-tools.json"], "no such file"),
+        (["generate", "hi", "--chat", "--tools", "[{\"type\": \"function\", \"function\": {\"name\": \"f\"}}]"],
+         "has no place for tools"),
         (["generate", "hi", "--model", "no-such-model"], "unknown model 'no-such-model'"),
         (["generate", "hi", "--model", "/no/such/folder"], "unknown model"),
         (["generate", "hi", "--drafter", "model"], "--draft-model"),
