@@ -170,6 +170,8 @@ class Engine:
         sent = 0  # logprobs already sent
         while not seq.finished:
             run_step(self.target.model, [seq], self.controller, self.hidden_layers, self.prefill_chunk)
+            if seq.error is not None:  # its drafter, grammar... raised: the caller gets it as raised
+                raise seq.error
             delta = "" if seq.finished else seq.text.delta()  # the final update carries the rest
             if delta:
                 update = StreamUpdate(delta, logprobs=new_logprobs(seq, sent))

@@ -197,7 +197,10 @@ class Scheduler:
                 seq.finish("cancelled")
             if seq.finished:
                 self.engine.finish(seq)
-                if seq.finish_reason != "cancelled":
+                if seq.error is not None:  # its own part of a step failed; its batch mates went on
+                    logger.error("a request failed alone: %r", seq.error, exc_info=seq.error)
+                    request.on_event(Event(error=seq.error))
+                elif seq.finish_reason != "cancelled":
                     request.on_event(Event(seq.text.delta(final=True), 0, result_of(seq), logprobs=self._logprobs(request)))
                 if self.on_finish is not None:
                     self.on_finish(request)

@@ -37,7 +37,8 @@ class Sequence:
     metrics: RequestMetrics
     context: torch.Tensor = field(init=False)  # committed tokens: prompt, then output
     num_prefilled: int = 0  # prompt tokens already in the cache
-    finish_reason: str | None = None  # "stop" or "length" once finished; "cancelled" if dropped
+    finish_reason: str | None = None  # "stop" or "length" once finished; "cancelled" if dropped; "error"
+    error: Exception | None = None  # what failed this request alone ("error"; see fail)
     stop_token: int | None = None  # the end-of-sequence token that finished it (not in the output)
     started: float = field(default_factory=time.perf_counter)
     # The hidden-state rows the drafter observed, in context order, kept for a prefix cache
@@ -96,6 +97,12 @@ class Sequence:
             if len(self.text.token_ids) >= self.params.max_new_tokens or self.context.shape[0] >= self.max_length:
                 self.finish("length")
                 return
+
+    def fail(self, error: Exception) -> None:
+        """This request's own part of a step raised (its drafter, its grammar...): it ends with
+        the error, which its caller gets, and its batch mates go on."""
+        self.error = error
+        self.finish("error")
 
     def finish(self, reason: str) -> None:
         self.finish_reason = reason

@@ -74,7 +74,15 @@ def run_step(model, sequences: list[Sequence], controller: BatchController | Non
     if not live:
         return report
     decoding = [seq for seq in live if not seq.prefilling]
-    drafts = [_inside_grammar(seq, draft) for seq, draft in zip(decoding, _propose_all(decoding))]
+    drafts = [draft if seq.finished else _alone(seq, _inside_grammar, seq, draft)
+              for seq, draft in zip(decoding, _propose_all(decoding))]
+    if any(seq.finished for seq in decoding):  # failed while drafting: out of the forward
+        drafts = [draft for seq, draft in zip(decoding, drafts) if not seq.finished]
+        live = [seq for seq in live if not seq.finished]
+        decoding = [seq for seq in decoding if not seq.finished]
+        report.batch_size = len(live)
+        if not live:
+            return report
     report.num_prefill_rows = sum(len(rows) for rows in chunks.values())
     if controller is not None and decoding:
         completing = sum(seq.num_prefilled + len(chunks[id(seq)]) == len(seq.prompt_ids)
@@ -114,11 +122,23 @@ def run_step(model, sequences: list[Sequence], controller: BatchController | Non
         logits, hidden = output if hidden_layers else (output, None)
         before = seq.context.shape[0]
         if seq.prefilling:
-            _finish_chunk(seq, chunks[id(seq)], logits, hidden)
+            _alone(seq, _finish_chunk, seq, chunks[id(seq)], logits, hidden)
         else:
-            _verify_and_commit(seq, *draft_of[id(seq)], logits, hidden, report.forward_s)
+            _alone(seq, _verify_and_commit, seq, *draft_of[id(seq)], logits, hidden, report.forward_s)
         report.num_committed += seq.context.shape[0] - before
     return report
+
+
+def _alone(seq: Sequence, work, *args):
+    """One sequence's own part of the step (its drafter, its grammar, its verify and commit): an
+    exception there fails that sequence alone (Sequence.fail: its caller gets the error) and the
+    step goes on for its batch mates, whose state it never touches. The forward, shared by all,
+    is not guarded: its failure is everyone's."""
+    try:
+        return work(*args)
+    except Exception as error:  # anything: a user's drafter may raise what it likes
+        seq.fail(error)
+        return None
 
 
 def _propose_all(decoding: list[Sequence]) -> list[Draft]:
@@ -126,18 +146,27 @@ def _propose_all(decoding: list[Sequence]) -> list[Draft]:
     policy first: it pays a forward per token). Sequences whose drafters share one draft model
     (forks of one drafter with `propose_together`) draft together: each draft forward runs once
     for all of them, and each still gets the draft it would make alone (batch invariance)."""
-    drafts: list[Draft | None] = [_forced_draft(seq) for seq in decoding]
-    budgets = [0 if draft is not None else _budget(seq) for seq, draft in zip(decoding, drafts)]
-    drafts = [draft if draft is not None else empty_draft() if budget == 0 else None
-              for draft, budget in zip(drafts, budgets)]
+    drafts: list[Draft | None] = [_alone(seq, _forced_draft, seq) if seq.constraint is not None else None
+                                  for seq in decoding]
+    budgets = [0 if draft is not None or seq.finished else _alone(seq, _budget, seq)
+               for seq, draft in zip(decoding, drafts)]
+    drafts = [draft if draft is not None else empty_draft() if budget == 0 or seq.finished else None
+              for seq, draft, budget in zip(decoding, drafts, budgets)]
     groups: dict[tuple, list[int]] = {}
     for index, seq in enumerate(decoding):
         if drafts[index] is None and hasattr(seq.drafter, "propose_together"):
             groups.setdefault((type(seq.drafter), id(seq.drafter.model)), []).append(index)
     for members in groups.values():
         tic = time.perf_counter()
-        together = type(decoding[members[0]].drafter).propose_together(
-            [decoding[i].drafter for i in members], [decoding[i].context for i in members], [budgets[i] for i in members])
+        try:
+            together = type(decoding[members[0]].drafter).propose_together(
+                [decoding[i].drafter for i in members], [decoding[i].context for i in members],
+                [budgets[i] for i in members])
+        except Exception as error:  # their forwards were shared: the group fails together
+            for i in members:
+                decoding[i].fail(error)
+                drafts[i] = empty_draft()
+            continue
         seconds = time.perf_counter() - tic  # the group's wall time: what each of its requests waited
         for i, draft in zip(members, together):
             drafts[i] = draft
@@ -145,7 +174,7 @@ def _propose_all(decoding: list[Sequence]) -> list[Draft]:
     for index, seq in enumerate(decoding):
         if drafts[index] is None:
             tic = time.perf_counter()
-            drafts[index] = seq.drafter.propose(seq.context, budgets[index])
+            drafts[index] = _alone(seq, seq.drafter.propose, seq.context, budgets[index]) or empty_draft()
             _observe_draft(seq, budgets[index], time.perf_counter() - tic)
     return drafts
 

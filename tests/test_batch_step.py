@@ -321,3 +321,42 @@ def test_a_request_that_fails_to_start_gets_its_error_and_the_loop_serves_the_ne
         assert event.result.token_ids == engine.generate(PROMPTS[2], SamplingParams(max_new_tokens=4)).token_ids
     finally:
         scheduler.stop()
+
+
+def test_a_request_whose_drafter_raises_fails_alone_and_its_batch_mates_finish(smollm2):
+    """A user's drafter that raises on one request: the Engine raises it to its caller; in a
+    batch that request gets the error and the requests decoding beside it finish with the output
+    they would have alone (such an error once failed the whole batch)."""
+    import queue
+
+    from draftwise.scheduler import Request, Scheduler
+
+    class Flaky(NgramDrafter):
+        poison: list[int] = []
+
+        def propose(self, context, num_draft_tokens):
+            if context[:len(self.poison)].tolist() == self.poison and context.shape[0] > len(self.poison) + 2:
+                raise RuntimeError("the drafter broke on this request")
+            return super().propose(context, num_draft_tokens)
+
+    engine = Engine(smollm2, Flaky(1, 3), 5)
+    Flaky.poison = engine.encode(PROMPTS[0])
+    params = SamplingParams(max_new_tokens=16)
+    with pytest.raises(RuntimeError, match="broke on this request"):
+        engine.generate(PROMPTS[0], params)
+    scheduler = Scheduler(engine, max_batch=4)
+    events = {index: queue.Queue() for index in (0, 2, 5)}
+    for index, inbox in events.items():  # all waiting before the loop starts: one batch
+        scheduler.submit(Request(engine.encode(PROMPTS[index]), params, inbox.put))
+    scheduler.start()
+    try:
+        while (event := events[0].get(timeout=120)).error is None:
+            assert event.result is None
+        assert isinstance(event.error, RuntimeError)
+        plain = Engine(smollm2)
+        for index in (2, 5):
+            while (event := events[index].get(timeout=120)).result is None:
+                assert event.error is None
+            assert event.result.token_ids == plain.generate(PROMPTS[index], params).token_ids
+    finally:
+        scheduler.stop()
