@@ -13,6 +13,7 @@ single-request Engine is this step with a batch of one.
 from __future__ import annotations
 
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import torch
@@ -28,9 +29,19 @@ from draftwise.sequence import Sequence
 from draftwise.verify import Verdict, verify_greedy, verify_rejection, verify_tree_greedy, verify_tree_rejection
 
 
-# The key of a draft the request's grammar forced (Constraint.forced) rather than its drafter
-# proposed: verified as any chain, kept out of the draft-length policy's statistics.
-FORCED = ("grammar", "forced")
+@dataclass(frozen=True, slots=True)
+class Forced:
+    """The key of a draft that opens with tokens the request's grammar forces (Constraint.forced)
+    and goes on with the drafter's guess past them (key: that guess's own key; a drafter that
+    reads the target's hidden states cannot guess past tokens the target has not read, and is
+    not asked). Verified as any chain; only the guess counts in the drafter's statistics."""
+
+    num_forced: int
+    key: Hashable = None
+
+# The most forced tokens a step drafts, beside the drafter's guess (the draft ceiling bounds that
+# guess alone): they are accepted but where the target prefers another tokenization of the text.
+MAX_FORCED_TOKENS = 16
 
 # The most prompt tokens a step prefills for a request that scores its prompt (prompt_logprobs):
 # each row's logits are kept, [rows, vocab] float32, 155 MB for 256 rows of Qwen2.5's 152k
@@ -74,10 +85,12 @@ def run_step(model, sequences: list[Sequence], controller: BatchController | Non
     if not live:
         return report
     decoding = [seq for seq in live if not seq.prefilling]
-    drafts = [draft if seq.finished else _alone(seq, _inside_grammar, seq, draft)
-              for seq, draft in zip(decoding, _propose_all(decoding))]
+    forced = [_alone(seq, _forced_tokens, seq) if seq.constraint is not None else None for seq in decoding]
+    drafts = [draft if seq.finished else _alone(seq, _inside_grammar, seq, draft, after)
+              for seq, draft, after in zip(decoding, _propose_all(decoding, forced), forced)]
     if any(seq.finished for seq in decoding):  # failed while drafting: out of the forward
         drafts = [draft for seq, draft in zip(decoding, drafts) if not seq.finished]
+        forced = [after for seq, after in zip(decoding, forced) if not seq.finished]
         live = [seq for seq in live if not seq.finished]
         decoding = [seq for seq in decoding if not seq.finished]
         report.batch_size = len(live)
@@ -87,13 +100,14 @@ def run_step(model, sequences: list[Sequence], controller: BatchController | Non
     if controller is not None and decoding:
         completing = sum(seq.num_prefilled + len(chunks[id(seq)]) == len(seq.prompt_ids)
                          for seq in live if seq.prefilling)
-        # A forced draft is kept whole: its rows commit a token each, as the fixed rows do.
-        num_forced = sum(draft.tokens.shape[0] for draft in drafts if draft.key == FORCED)
-        choices = [(seq.policy, empty_draft() if draft.key == FORCED else draft) for seq, draft in zip(decoding, drafts)]
+        # Forced tokens are kept whole: their rows commit a token each, as the fixed rows do.
+        num_forced = sum(len(after) for after in forced if after is not None)
+        choices = [(seq.policy, draft) for seq, draft in zip(decoding, drafts)]
         allocation = controller.allocate(choices, len(decoding) + report.num_prefill_rows + num_forced,
                                          len(decoding) + completing + num_forced, report.num_prefill_rows)
-        drafts = [draft.trimmed(size) if size < draft.tokens.shape[0] and draft.key != FORCED else draft
+        drafts = [draft.trimmed(size) if size < draft.tokens.shape[0] else draft
                   for draft, size in zip(drafts, allocation.sizes)]
+    drafts = [draft if after is None else _after_forced(after, draft) for draft, after in zip(drafts, forced)]
     report.draft_tokens_chosen = [draft.tokens.shape[0] for draft in drafts]
 
     segments, draft_of = [], {}  # draft_of: id(seq) -> (its draft, its segment)
@@ -141,17 +155,19 @@ def _alone(seq: Sequence, work, *args):
         return None
 
 
-def _propose_all(decoding: list[Sequence]) -> list[Draft]:
+def _propose_all(decoding: list[Sequence], forced: list[list[int] | None]) -> list[Draft]:
     """Every decoding sequence's draft for this step, at most its budget (a draft model asks its
-    policy first: it pays a forward per token). Sequences whose drafters share one draft model
-    (forks of one drafter with `propose_together`) draft together: each draft forward runs once
-    for all of them, and each still gets the draft it would make alone (batch invariance)."""
-    drafts: list[Draft | None] = [_alone(seq, _forced_draft, seq) if seq.constraint is not None else None
-                                  for seq in decoding]
-    budgets = [0 if draft is not None or seq.finished else _alone(seq, _budget, seq)
-               for seq, draft in zip(decoding, drafts)]
-    drafts = [draft if draft is not None else empty_draft() if budget == 0 or seq.finished else None
-              for seq, draft, budget in zip(decoding, drafts, budgets)]
+    policy first: it pays a forward per token). Where the grammar forces tokens (forced[i]),
+    the drafter guesses past them, in what budget they leave, if it drafts from tokens alone.
+    Sequences whose drafters share one draft model (forks of one drafter with
+    `propose_together`) draft together: each draft forward runs once for all of them, and each
+    still gets the draft it would make alone (batch invariance)."""
+    contexts = [seq.context if after is None else torch.cat((seq.context, torch.tensor(after, dtype=torch.long)))
+                for seq, after in zip(decoding, forced)]
+    budgets = [0 if seq.finished or after is not None and getattr(seq.drafter, "hidden_layers", ())
+               else _alone(seq, _budget, seq, len(after or ())) for seq, after in zip(decoding, forced)]
+    drafts: list[Draft | None] = [empty_draft() if seq.finished or not budget else None
+                                  for seq, budget in zip(decoding, budgets)]
     groups: dict[tuple, list[int]] = {}
     for index, seq in enumerate(decoding):
         if drafts[index] is None and hasattr(seq.drafter, "propose_together"):
@@ -160,8 +176,7 @@ def _propose_all(decoding: list[Sequence]) -> list[Draft]:
         tic = time.perf_counter()
         try:
             together = type(decoding[members[0]].drafter).propose_together(
-                [decoding[i].drafter for i in members], [decoding[i].context for i in members],
-                [budgets[i] for i in members])
+                [decoding[i].drafter for i in members], [contexts[i] for i in members], [budgets[i] for i in members])
         except Exception as error:  # their forwards were shared: the group fails together
             for i in members:
                 decoding[i].fail(error)
@@ -174,31 +189,47 @@ def _propose_all(decoding: list[Sequence]) -> list[Draft]:
     for index, seq in enumerate(decoding):
         if drafts[index] is None:
             tic = time.perf_counter()
-            drafts[index] = _alone(seq, seq.drafter.propose, seq.context, budgets[index]) or empty_draft()
+            drafts[index] = _alone(seq, seq.drafter.propose, contexts[index], budgets[index]) or empty_draft()
             _observe_draft(seq, budgets[index], time.perf_counter() - tic)
     return drafts
 
 
-def _forced_draft(seq: Sequence) -> Draft | None:
-    """The tokens the request's grammar forces next, as this step's draft in place of the
-    drafter's (which is not asked): the target accepts them unless it prefers another
-    tokenization of the same text, and the drafter, not knowing the grammar, would guess them
-    worse (a JSON schema's keys, a tool call's tags and name). None: nothing forced, or a request
-    that does not speculate (plain decoding, or a draft budget of 0)."""
-    if seq.constraint is None or getattr(seq.drafter, "is_plain", False):
+def _forced_tokens(seq: Sequence) -> list[int] | None:
+    """The tokens the request's grammar forces next (a JSON schema's keys, a tool call's tags and
+    name), drafted as they are ahead of the drafter's guess: the target accepts them unless it
+    prefers another tokenization of the same text, and the drafter, not knowing the grammar,
+    would guess them worse. None: nothing forced, or a request that does not speculate (plain
+    decoding, or a draft budget of 0)."""
+    if seq.constraint is None or getattr(seq.drafter, "is_plain", False) or not seq.draft_budget():
         return None
-    forced = seq.constraint.forced(seq.draft_budget())
-    return Draft(torch.tensor(forced, dtype=torch.long), None, FORCED) if forced else None
+    room = seq.max_length - seq.context.shape[0] - 1
+    return seq.constraint.forced(min(MAX_FORCED_TOKENS, room)) or None
 
 
-def _inside_grammar(seq: Sequence, draft: Draft) -> Draft:
-    """A chain draft cut before its first token the request's grammar refuses (it would be
-    rejected at the verify: its row, and the rows after it, are saved). Trees are masked per row
-    at the verify instead (draftwise.structured)."""
-    if seq.constraint is None or draft.is_tree or not draft.tokens.shape[0] or draft.key == FORCED:
+def _after_forced(forced: list[int], guess: Draft) -> Draft:
+    """The forced tokens, then the drafter's guess past them (a chain; a tree guess is left out)."""
+    tokens = torch.tensor(forced, dtype=torch.long)
+    if guess.is_tree or not guess.tokens.shape[0]:
+        return Draft(tokens, None, Forced(len(forced)))
+    probs = None
+    if guess.probs is not None:  # the forced tokens as point masses beside the guess's distributions
+        probs = torch.cat((torch.nn.functional.one_hot(tokens, guess.probs.shape[-1]).to(guess.probs.dtype), guess.probs))
+    return Draft(torch.cat((tokens, guess.tokens)), probs, Forced(len(forced), guess.key))
+
+
+def _inside_grammar(seq: Sequence, draft: Draft, after: list[int] | None = None) -> Draft:
+    """A chain draft (which follows the forced tokens `after`, if any) cut before its first token
+    the request's grammar refuses (it would be rejected at the verify: its row, and the rows after
+    it, are saved). Trees are masked per row at the verify instead (draftwise.structured)."""
+    if seq.constraint is None or draft.is_tree or not draft.tokens.shape[0]:
         return draft
-    allowed = seq.constraint.allowed_prefix(draft.tokens)
-    return draft if allowed == draft.tokens.shape[0] else draft.trimmed(allowed)
+    num_forced = len(after or ())
+    if num_forced:
+        draft_tokens = torch.cat((torch.tensor(after, dtype=torch.long), draft.tokens))
+        allowed = seq.constraint.allowed_prefix(draft_tokens) - num_forced
+    else:
+        allowed = seq.constraint.allowed_prefix(draft.tokens)
+    return draft if allowed == draft.tokens.shape[0] else draft.trimmed(max(0, allowed))
 
 
 def _is_sequential(seq: Sequence) -> bool:
@@ -206,8 +237,9 @@ def _is_sequential(seq: Sequence) -> bool:
     return seq.policy is not None and getattr(seq.drafter, "sequential", False)
 
 
-def _budget(seq: Sequence) -> int:
-    budget = seq.draft_budget()
+def _budget(seq: Sequence, num_forced: int = 0) -> int:
+    """The most tokens the drafter may guess this step (after num_forced forced tokens)."""
+    budget = max(0, min(seq.draft_budget(), seq.max_length - seq.context.shape[0] - 1 - num_forced))
     if budget > 0 and _is_sequential(seq):
         budget = seq.policy.choose_before_drafting(budget)
     return budget
@@ -268,12 +300,16 @@ def _verify_and_commit(seq: Sequence, draft: Draft, segment: Segment, logits: to
                      predicted)
     path = verdict.accepted_nodes()
     policy = seq.policy
-    forced = draft.key == FORCED
-    if policy is not None and num_proposed and not forced:
+    # The drafter's own record: its guess, where the verify reached it (past any forced tokens).
+    num_forced = draft.key.num_forced if isinstance(draft.key, Forced) else 0
+    key = draft.key.key if num_forced else draft.key
+    num_guessed = num_proposed - num_forced if verdict.num_accepted >= num_forced else 0
+    num_guessed_accepted = verdict.num_accepted - num_forced if num_guessed else 0
+    if policy is not None and num_guessed:
         if draft.scores is not None:
-            policy.observe_tree_verdict(draft.key, float(draft.scores.sum()), verdict.num_accepted)
+            policy.observe_tree_verdict(key, float(draft.scores.sum()), num_guessed_accepted)
         else:
-            policy.observe_verdict(draft.key, num_proposed, verdict.num_accepted)
+            policy.observe_verdict(key, num_guessed, num_guessed_accepted)
     # Roll back, in one place, both caches to the committed prefix they both saw; a tree's
     # accepted path moves next to the committed tokens.
     seq.cache.keep_path(num_committed, path)
@@ -286,12 +322,9 @@ def _verify_and_commit(seq: Sequence, draft: Draft, segment: Segment, logits: to
     metrics = seq.metrics
     metrics.target_forward_s += forward_s
     metrics.verify_s += forward_s + time.perf_counter() - tic
-    depth = max(predicted) - num_committed  # how far the draft reached: a chain's length, a tree's depth
-    if forced:  # the drafter's record stays its own
-        metrics.num_forced_tokens += verdict.num_accepted
-        metrics.record_step(0, 0, verdict.num_accepted + 1)
-    else:
-        metrics.record_step(num_proposed, verdict.num_accepted, verdict.num_accepted + 1, depth)
+    depth = max(predicted) - num_committed - num_forced  # how far the guess reached: a chain's length, a tree's depth
+    metrics.num_forced_tokens += min(num_forced, verdict.num_accepted)
+    metrics.record_step(num_guessed, num_guessed_accepted, verdict.num_accepted + 1, depth if num_guessed else 0)
     seq.commit(draft.tokens[path].tolist() + [verdict.next_token],
                logits[committed_rows] if seq.logprobs is not None else None)
 

@@ -120,7 +120,7 @@ def test_chain_drafts_are_cut_at_the_first_token_the_grammar_refuses(engines, mo
 
     grammar = structured.json_schema(SCHEMA)
     cut = engines["ngram"].generate(PERSON, max_new_tokens=80, grammar=grammar)
-    monkeypatch.setattr(step, "_inside_grammar", lambda seq, draft: draft)
+    monkeypatch.setattr(step, "_inside_grammar", lambda seq, draft, after=None: draft)
     whole = engines["ngram"].generate(PERSON, max_new_tokens=80, grammar=grammar)
     assert cut.token_ids == whole.token_ids
     assert cut.metrics.num_draft_tokens < whole.metrics.num_draft_tokens
@@ -141,7 +141,24 @@ def test_tokens_the_grammar_forces_are_drafted_and_change_no_token(engines, monk
         assert forced.token_ids == plain.token_ids, name
         assert forced.metrics.num_forced_tokens >= 6, name  # '{"', 'name', '":', ' "', ... at least
         with monkeypatch.context() as patch:
-            patch.setattr(step, "_forced_draft", lambda seq: None)
+            patch.setattr(step, "_forced_tokens", lambda seq: None)
             unforced = engines[name].generate(PERSON, max_new_tokens=48, grammar=grammar)
         assert unforced.token_ids == plain.token_ids and unforced.metrics.num_forced_tokens == 0, name
         assert forced.metrics.num_target_forwards < unforced.metrics.num_target_forwards, name
+
+
+def test_a_guess_past_forced_tokens_follows_them_as_one_chain():
+    """The drafter's guess, made past the forced tokens, follows them in one chain: the forced
+    tokens as point masses beside the guess's own distributions (rejection sampling reads both),
+    keyed so that only the guess counts in the drafter's statistics; a tree guess is left out."""
+    from draftwise.drafters.base import Draft
+    from draftwise.step import Forced, _after_forced
+
+    probs = torch.softmax(torch.randn(2, 11), dim=-1)
+    joined = _after_forced([5, 7], Draft(torch.tensor([9, 3]), probs, key=2))
+    assert joined.tokens.tolist() == [5, 7, 9, 3] and joined.key == Forced(2, 2) and not joined.is_tree
+    assert torch.equal(joined.probs[:2], torch.nn.functional.one_hot(torch.tensor([5, 7]), 11).float())
+    assert torch.equal(joined.probs[2:], probs)
+    tree = Draft(torch.tensor([9, 3]), None, key="tree", parents=torch.tensor([-1, -1]))
+    alone = _after_forced([5, 7], tree)
+    assert alone.tokens.tolist() == [5, 7] and alone.probs is None and alone.key == Forced(2)
