@@ -58,7 +58,7 @@ def test_json_schema_and_regex_flags_shape_the_output(smollm2, capsys, tmp_path)
     assert code == 0 and __import__("re").fullmatch(r"\(\d{3}\) \d{3}-\d{4}", json.loads(out)["text"])
 
 
-def test_tools_flags_give_the_calls_in_the_json(capsys, tmp_path):
+def test_tools_flags_give_the_calls_in_the_json(qwen_tokenizer, capsys, tmp_path):  # (its fixture fetches the model)
     tools = tmp_path / "tools.json"
     tools.write_text(json.dumps([{"type": "function", "function": {
         "name": "get_weather", "description": "Get the current weather in a city",

@@ -16,7 +16,7 @@ PREFIX, SUFFIX = "def add(a, b):\n    ", "\n\nprint(add(2, 3))\n"
 
 
 @pytest.fixture(scope="module")
-def coder():
+def coder(qwen_tokenizer):  # (the tokenizer's fixture fetches the model on a fresh machine)
     return draftwise.load("qwen2.5-coder-0.5b", drafter="ngram", progress=False)
 
 

@@ -76,7 +76,10 @@ def test_the_structured_output_example_runs_as_written():
 
 
 def test_the_tool_calls_example_runs_as_written():
+    from tests.conftest import _fetched_folder
+
     (code,) = python_blocks("Tool calls: `tools`, `tool_choice`")
+    _fetched_folder("qwen2.5-coder-0.5b")  # the `draftwise models fetch` the README asks for first
     namespace, printed = run(code)
     [call] = namespace["calls"]  # one call: parallel=False
     assert call.name == "get_weather" and __import__("json").loads(call.arguments)["city"] == "Oslo"

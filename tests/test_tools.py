@@ -108,7 +108,7 @@ def test_tools_a_model_cannot_take_and_malformed_tools_are_refused(qwen_tokenize
 
 
 @pytest.fixture(scope="module")
-def qwen():
+def qwen(qwen_tokenizer):  # (the tokenizer's fixture fetches the model on a fresh machine)
     return draftwise.load(QWEN, drafter="ngram", progress=False)
 
 
@@ -162,7 +162,9 @@ def test_a_question_no_tool_answers_is_answered_in_text(client):
 def test_required_and_named_choices_always_give_calls_of_the_tools(client):
     """On a question no tool answers: the grammar still makes every reply calls whose names and
     arguments the tools' schemas allow."""
-    one = _ask(client, "Write a haiku about autumn.", tool_choice="required", parallel_tool_calls=False).choices[0]
+    answer = _ask(client, "Write a haiku about autumn.", tool_choice="required", parallel_tool_calls=False)
+    assert answer.usage.model_extra["speculative"]["forced_tokens"] > 0  # the tags, the keys: drafted as forced
+    one = answer.choices[0]
     [call] = one.message.tool_calls
     assert one.finish_reason == "tool_calls" and call.function.name in ("get_weather", "get_time")
     assert isinstance(json.loads(call.function.arguments)["city"], str)

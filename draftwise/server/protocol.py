@@ -351,6 +351,7 @@ def usage(metrics: RequestMetrics) -> dict:
             "mean_accepted_length": round(metrics.mean_accepted_length, 4),
             "per_position_acceptance": [round(rate, 4) for rate in metrics.per_position_acceptance],
             "target_forwards": metrics.num_target_forwards,
+            "forced_tokens": metrics.num_forced_tokens,  # drafted because the grammar forced them
         },
     }
 
