@@ -478,7 +478,6 @@ def _grammar(args) -> str | None:
     """--json-schema / --json-object / --regex as a grammar (draftwise.structured), checked before
     any model loads."""
     from draftwise import structured
-    from draftwise.errors import ConfigError
 
     if args.json_object:
         return structured.json_object()
@@ -486,12 +485,7 @@ def _grammar(args) -> str | None:
         return structured.regex(args.regex)
     if args.json_schema is None:
         return None
-    source = Path(args.json_schema)
-    if not args.json_schema.lstrip().startswith("{"):
-        if not source.is_file():
-            raise ConfigError(f"--json-schema {args.json_schema}: no such file; give a schema file or the schema as JSON.")
-        return structured.json_schema(source.read_text())
-    return structured.json_schema(args.json_schema)
+    return structured.json_schema(_read_json_argument("--json-schema", args.json_schema))
 
 
 def _read_json_argument(flag: str, value: str):
@@ -547,6 +541,8 @@ def _chat(args) -> int:
 
 
 def _generate(args) -> int:
+    from dataclasses import replace
+
     from draftwise.errors import ConfigError
 
     for flag, value in (("--logprobs", args.logprobs), ("--prompt-logprobs", args.prompt_logprobs)):
@@ -563,8 +559,6 @@ def _generate(args) -> int:
     request = [{"role": "user", "content": prompt}] if args.chat else prompt
     tools = None
     if tools_list is not None:
-        from dataclasses import replace
-
         from draftwise.tools import CHOICES, ToolUse
 
         choice = args.tool_choice if args.tool_choice in CHOICES else {"type": "function",
@@ -576,8 +570,6 @@ def _generate(args) -> int:
         request = engine.encode(request, tools.tools)
         params = replace(params, stop=params.stop + tools.stop, grammar=tools.grammar or params.grammar)
     if args.suffix is not None:
-        from dataclasses import replace
-
         from draftwise.infill import infill_prompt
 
         request, stops = infill_prompt(engine.tokenizer, prompt, args.suffix)

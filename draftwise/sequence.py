@@ -109,6 +109,10 @@ class Sequence:
         self.metrics.num_generated_tokens = len(self.text.token_ids)
         self.metrics.total_s = time.perf_counter() - self.started
 
+    def room(self) -> int:
+        """The most tokens a draft may hold this step: never past the request's length budget."""
+        return self.max_length - self.context.shape[0] - 1
+
     def draft_budget(self) -> int:
-        """The most tokens this step may draft: never past the request's length budget."""
-        return max(0, min(self.num_draft_tokens, self.max_length - self.context.shape[0] - 1))
+        """The most tokens this step may draft: the request's ceiling, within room()."""
+        return max(0, min(self.num_draft_tokens, self.room()))

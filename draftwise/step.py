@@ -85,7 +85,7 @@ def run_step(model, sequences: list[Sequence], controller: BatchController | Non
     if not live:
         return report
     decoding = [seq for seq in live if not seq.prefilling]
-    forced = [_alone(seq, _forced_tokens, seq) if seq.constraint is not None else None for seq in decoding]
+    forced = [_alone(seq, _forced_tokens, seq) for seq in decoding]  # [n] each, or None
     drafts = [draft if seq.finished else _alone(seq, _inside_grammar, seq, draft, after)
               for seq, draft, after in zip(decoding, _propose_all(decoding, forced), forced)]
     if any(seq.finished for seq in decoding):  # failed while drafting: out of the forward
@@ -101,7 +101,7 @@ def run_step(model, sequences: list[Sequence], controller: BatchController | Non
         completing = sum(seq.num_prefilled + len(chunks[id(seq)]) == len(seq.prompt_ids)
                          for seq in live if seq.prefilling)
         # Forced tokens are kept whole: their rows commit a token each, as the fixed rows do.
-        num_forced = sum(len(after) for after in forced if after is not None)
+        num_forced = sum(after.shape[0] for after in forced if after is not None)
         choices = [(seq.policy, draft) for seq, draft in zip(decoding, drafts)]
         allocation = controller.allocate(choices, len(decoding) + report.num_prefill_rows + num_forced,
                                          len(decoding) + completing + num_forced, report.num_prefill_rows)
@@ -155,17 +155,17 @@ def _alone(seq: Sequence, work, *args):
         return None
 
 
-def _propose_all(decoding: list[Sequence], forced: list[list[int] | None]) -> list[Draft]:
+def _propose_all(decoding: list[Sequence], forced: list[torch.Tensor | None]) -> list[Draft]:
     """Every decoding sequence's draft for this step, at most its budget (a draft model asks its
     policy first: it pays a forward per token). Where the grammar forces tokens (forced[i]),
     the drafter guesses past them, in what budget they leave, if it drafts from tokens alone.
     Sequences whose drafters share one draft model (forks of one drafter with
     `propose_together`) draft together: each draft forward runs once for all of them, and each
     still gets the draft it would make alone (batch invariance)."""
-    contexts = [seq.context if after is None else torch.cat((seq.context, torch.tensor(after, dtype=torch.long)))
-                for seq, after in zip(decoding, forced)]
+    contexts = [seq.context if after is None else torch.cat((seq.context, after)) for seq, after in zip(decoding, forced)]
     budgets = [0 if seq.finished or after is not None and getattr(seq.drafter, "hidden_layers", ())
-               else _alone(seq, _budget, seq, len(after or ())) for seq, after in zip(decoding, forced)]
+               else _alone(seq, _budget, seq, 0 if after is None else after.shape[0])
+               for seq, after in zip(decoding, forced)]
     drafts: list[Draft | None] = [empty_draft() if seq.finished or not budget else None
                                   for seq, budget in zip(decoding, budgets)]
     groups: dict[tuple, list[int]] = {}
@@ -194,7 +194,7 @@ def _propose_all(decoding: list[Sequence], forced: list[list[int] | None]) -> li
     return drafts
 
 
-def _forced_tokens(seq: Sequence) -> list[int] | None:
+def _forced_tokens(seq: Sequence) -> torch.Tensor | None:
     """The tokens the request's grammar forces next (a JSON schema's keys, a tool call's tags and
     name), drafted as they are ahead of the drafter's guess: the target accepts them unless it
     prefers another tokenization of the same text, and the drafter, not knowing the grammar,
@@ -202,33 +202,29 @@ def _forced_tokens(seq: Sequence) -> list[int] | None:
     decoding, or a draft budget of 0)."""
     if seq.constraint is None or getattr(seq.drafter, "is_plain", False) or not seq.draft_budget():
         return None
-    room = seq.max_length - seq.context.shape[0] - 1
-    return seq.constraint.forced(min(MAX_FORCED_TOKENS, room)) or None
+    forced = seq.constraint.forced(min(MAX_FORCED_TOKENS, seq.room()))
+    return torch.tensor(forced, dtype=torch.long) if forced else None
 
 
-def _after_forced(forced: list[int], guess: Draft) -> Draft:
-    """The forced tokens, then the drafter's guess past them (a chain; a tree guess is left out)."""
-    tokens = torch.tensor(forced, dtype=torch.long)
+def _after_forced(forced: torch.Tensor, guess: Draft) -> Draft:
+    """The forced tokens [n], then the drafter's guess past them (a chain; a tree guess is left out)."""
+    num_forced = forced.shape[0]
     if guess.is_tree or not guess.tokens.shape[0]:
-        return Draft(tokens, None, Forced(len(forced)))
+        return Draft(forced, None, Forced(num_forced))
     probs = None
     if guess.probs is not None:  # the forced tokens as point masses beside the guess's distributions
-        probs = torch.cat((torch.nn.functional.one_hot(tokens, guess.probs.shape[-1]).to(guess.probs.dtype), guess.probs))
-    return Draft(torch.cat((tokens, guess.tokens)), probs, Forced(len(forced), guess.key))
+        probs = torch.cat((torch.nn.functional.one_hot(forced, guess.probs.shape[-1]).to(guess.probs.dtype), guess.probs))
+    return Draft(torch.cat((forced, guess.tokens)), probs, Forced(num_forced, guess.key))
 
 
-def _inside_grammar(seq: Sequence, draft: Draft, after: list[int] | None = None) -> Draft:
+def _inside_grammar(seq: Sequence, draft: Draft, after: torch.Tensor | None = None) -> Draft:
     """A chain draft (which follows the forced tokens `after`, if any) cut before its first token
     the request's grammar refuses (it would be rejected at the verify: its row, and the rows after
     it, are saved). Trees are masked per row at the verify instead (draftwise.structured)."""
     if seq.constraint is None or draft.is_tree or not draft.tokens.shape[0]:
         return draft
-    num_forced = len(after or ())
-    if num_forced:
-        draft_tokens = torch.cat((torch.tensor(after, dtype=torch.long), draft.tokens))
-        allowed = seq.constraint.allowed_prefix(draft_tokens) - num_forced
-    else:
-        allowed = seq.constraint.allowed_prefix(draft.tokens)
+    path = draft.tokens if after is None else torch.cat((after, draft.tokens))
+    allowed = seq.constraint.allowed_prefix(path) - (path.shape[0] - draft.tokens.shape[0])
     return draft if allowed == draft.tokens.shape[0] else draft.trimmed(max(0, allowed))
 
 
@@ -239,7 +235,7 @@ def _is_sequential(seq: Sequence) -> bool:
 
 def _budget(seq: Sequence, num_forced: int = 0) -> int:
     """The most tokens the drafter may guess this step (after num_forced forced tokens)."""
-    budget = max(0, min(seq.draft_budget(), seq.max_length - seq.context.shape[0] - 1 - num_forced))
+    budget = max(0, min(seq.draft_budget(), seq.room() - num_forced))
     if budget > 0 and _is_sequential(seq):
         budget = seq.policy.choose_before_drafting(budget)
     return budget

@@ -85,20 +85,19 @@ class ToolUse:
         """Lark for llguidance: one or more (or exactly one) blocks, each a JSON object naming
         a tool and arguments its schema allows. <tool_call> is one token of the vocabulary
         (an added token), referred to as such: its text spelled out would not be that token."""
-        from llguidance import LLMatcher
-
         from draftwise import structured
 
         names = [self.named] if self.named is not None else [f["name"] for f in self.functions]
         rules = []
         for index, function in enumerate(self.functions):
             if function["name"] in names:
-                schema = json.dumps(_call_schema(function))
-                problem = LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(schema))
-                if problem and not problem.startswith("WARNING"):
+                schema = _call_schema(function)
+                try:  # each alone first: a problem is then named by its tool
+                    structured.json_schema(schema)
+                except ConfigError as error:
                     raise ConfigError(f"tools[{index}].function.parameters is not a JSON schema draftwise can "
-                                      f"follow: {problem.splitlines()[0]}")
-                rules.append(f"call_{index}: %json {schema}")
+                                      f"follow: {str(error).splitlines()[0]}") from None
+                rules.append(f"call_{index}: %json {json.dumps(schema)}")
         # A newline may end the reply too: Qwen2.5 writes one after a call's block and then ends,
         # and a grammar wanting another call after it made the model call on to max_tokens.
         start = 'start: call ("\\n" call)* "\\n"?' if self.parallel else 'start: call "\\n"?'

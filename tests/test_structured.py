@@ -155,10 +155,10 @@ def test_a_guess_past_forced_tokens_follows_them_as_one_chain():
     from draftwise.step import Forced, _after_forced
 
     probs = torch.softmax(torch.randn(2, 11), dim=-1)
-    joined = _after_forced([5, 7], Draft(torch.tensor([9, 3]), probs, key=2))
+    joined = _after_forced(torch.tensor([5, 7]), Draft(torch.tensor([9, 3]), probs, key=2))
     assert joined.tokens.tolist() == [5, 7, 9, 3] and joined.key == Forced(2, 2) and not joined.is_tree
     assert torch.equal(joined.probs[:2], torch.nn.functional.one_hot(torch.tensor([5, 7]), 11).float())
     assert torch.equal(joined.probs[2:], probs)
     tree = Draft(torch.tensor([9, 3]), None, key="tree", parents=torch.tensor([-1, -1]))
-    alone = _after_forced([5, 7], tree)
+    alone = _after_forced(torch.tensor([5, 7]), tree)
     assert alone.tokens.tolist() == [5, 7] and alone.probs is None and alone.key == Forced(2)

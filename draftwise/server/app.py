@@ -169,7 +169,7 @@ def create_app(engine: Engine, scheduler: Scheduler, settings: ServerSettings = 
         max_tokens = _max_tokens(body, len(prompt_ids), max_context, settings, kind)
         try:
             params = body.sampling_params(max_tokens, settings.sampling_mode, infill_stops)
-            if tool_use is not None and tool_use.active:
+            if tool_use is not None:
                 params = replace(params, stop=params.stop + tool_use.stop, grammar=tool_use.grammar)
         except DraftwiseError as error:
             raise APIError(400, str(error)) from None
@@ -218,7 +218,7 @@ class Answer:
         a completion's prompt, where the answer starts with it (and its tokens' logprobs).
         tool_use: a chat request's tools, whose calls are read out of the reply."""
         self.kind, self.model, self.job, self.events = kind, model, job, events
-        self.tool_use = tool_use if tool_use is not None and tool_use.active else None
+        self.tool_use = tool_use
         self.tokenizer = tokenizer
         self.echo = echo
         self.offsets = TextOffsets(tokenizer) if tokenizer is not None and kind == "text" else None
@@ -343,8 +343,9 @@ class Answer:
                     if event.result is not None:
                         rest, more = reader.finish()
                         delta, calls = delta + rest, calls + more
-                # the event's logprobs go out with it, even where its text is held back (a tool call's)
-                carries_logprobs = bool(delta or calls or event.logprobs)
+                # an event's logprobs go out with its text, or where a tool call holds that text back,
+                # alone; the last event's, without text, with the finish
+                carries_logprobs = bool(delta or calls or event.logprobs and event.result is None)
                 if carries_logprobs:
                     yield _sse(self._chunk(delta or None, logprobs=event.logprobs,
                                            tool_calls=[call.openai(num_calls + i) for i, call in enumerate(calls)]))

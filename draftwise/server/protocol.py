@@ -273,7 +273,8 @@ class ChatCompletionRequest(SamplingFields):
         return [message.template_message(index) for index, message in enumerate(self.messages)]
 
     def tool_use(self, tokenizer) -> ToolUse | None:
-        """The request's tools as draftwise.tools reads them (None: no tools)."""
+        """The request's tools as draftwise.tools reads them (None: no tools, or tool_choice
+        "none", which keeps them out of the prompt and the reply)."""
         choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
         if not self.tools:
             if choice not in (None, "none", "auto"):
@@ -284,7 +285,7 @@ class ChatCompletionRequest(SamplingFields):
         if use.active and self.response_format is not None and self.response_format.type != "text":
             raise ConfigError("response_format with tools is not supported yet: send one of them (tool_choice "
                               '"none" keeps the tools out of it).')
-        return use
+        return use if use.active else None
 
 
 class CompletionRequest(SamplingFields):
