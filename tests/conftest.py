@@ -104,3 +104,30 @@ def gemma():
 
     _fetched_folder("gemma3-270m")
     return loading.load("gemma3-270m", dtype="float32", progress=False)
+
+
+# CI runs the suite on two xdist workers, a file at a time (--dist loadfile). Left to itself xdist
+# hands out the files with the most tests first, so the files of a few long tests (a kernel build
+# for another instruction set, a Q5_K file's conversion, a head's training) came last and one
+# worker ran them alone while the other idled: on an AMD EPYC Zen 3 the fresh-clone run's last
+# minutes. The longest files go first instead (longest-processing-time-first), by their summed
+# durations (`--durations`, Zen 3, 2026-11-29, warm cache), the rest after them in file order.
+LONGEST_FIRST = [
+    "test_instruction_sets.py",  # builds the kernels for the instruction set below this CPU's
+    "test_batch_invariance.py", "test_heads.py", "test_server.py", "test_cross_vocab.py",
+    "test_greedy_equality.py", "test_tools.py", "test_train.py", "test_q5k_file.py", "test_cli.py",
+    "test_prefix_cache.py", "test_coupled_sampling.py", "test_registry.py", "test_batch_step.py",
+]
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order below
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(session, config, items):
+    def rank(item) -> int:
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: within a file, and among the rest, the collected order

@@ -47,9 +47,20 @@ def lower_instruction_set() -> tuple[str, str]:
     return "x86-64-v2", "generic"
 
 
+def build_settings(march: str) -> dict[str, str]:
+    """DRAFTWISE_MARCH, and for the portable build -O1 (DRAFTWISE_KERNEL_OPT): the same float
+    operations in the same order (no fast-math, -ffp-contract=off at every level), built in 70 s
+    instead of 180 on an AMD EPYC Zen 3, where this build would otherwise hold one of CI's two
+    cores for three minutes. The AVX2 build keeps -O3: it is the code a Zen 3 runs."""
+    settings = {kernels_module.MARCH_ENV: march}
+    if march == "x86-64-v2":
+        settings[kernels_module.OPT_ENV] = "-O1"
+    return settings
+
+
 def run_with_march(march: str, *args: str, timeout: float) -> subprocess.CompletedProcess:
     # The child inherits PYTEST_XDIST_WORKER_COUNT, so conftest gives it this worker's share of the cores.
-    environment = dict(os.environ, **{kernels_module.MARCH_ENV: march})
+    environment = dict(os.environ, **build_settings(march))
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=environment, capture_output=True, text=True,
                           timeout=timeout)
 

@@ -32,14 +32,18 @@ def engines():
 
 
 def _reference(engine, prompt, num_tokens: int, penalties: dict) -> list[int]:
-    """Greedy decoding by the definition: one full forward per token, then the penalty."""
+    """Greedy decoding by the definition: the model's logits for the next token (one forward per
+    token over a cache, no drafts), then the textbook penalty, then argmax."""
     from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
     model = engine.target.model
     ids, out = engine.encode(prompt), []
+    cache = model.new_cache(len(ids) + num_tokens)
+    logits = model.forward(torch.tensor(ids), torch.arange(len(ids)), cache)[-1:]
     for _ in range(num_tokens):
         full = ids + out
-        logits = model.forward(torch.tensor(full), torch.arange(len(full)), model.new_cache(len(full) + 1))[-1:]
+        if out:
+            logits = model.forward(torch.tensor(out[-1:]), torch.tensor([len(full) - 1]), cache)
         if "repetition_penalty" in penalties:
             logits = RepetitionPenaltyLogitsProcessor(penalties["repetition_penalty"])(torch.tensor([full]), logits.clone())
         else:

@@ -35,6 +35,12 @@ DISABLE_ENV = "DRAFTWISE_KERNEL"
 # CPU's: a developer's way to run and time the AVX2 paths (what an AMD EPYC Zen 3 builds) on a CPU
 # with AVX-512. Its own build; auto activations then follow what the build has (float32 there).
 MARCH_ENV = "DRAFTWISE_MARCH"
+# DRAFTWISE_KERNEL_OPT=-O1 builds with that optimisation level instead of -O3: the same values
+# (-ffp-contract=off and no fast-math at every level, so each float operation is the one the
+# source spells), slower code, a much shorter build. For tests of a build no one times: the
+# portable build (DRAFTWISE_MARCH=x86-64-v2) of linear.cpp takes 177 s at -O3 and 31 s at -O1 on
+# an AMD EPYC Zen 3. Its own build, like DRAFTWISE_MARCH's.
+OPT_ENV = "DRAFTWISE_KERNEL_OPT"
 # Every draftwise upgrade (new sources), torch version, compiler or checkout gets a build of its
 # own (5-6 MB); a new build removes the others no process has loaded for this long.
 STALE_AFTER_DAYS = 30
@@ -78,7 +84,7 @@ def _build(progress: bool) -> ModuleType | None:
             # -fopenmp: ATen's parallel_for is a header template that runs on one thread unless
             # OpenMP is on (measured: 2x slower). _contraction_flags: why no compiler may fuse
             # products and sums by itself.
-            extra_cflags=["-O3", *_contraction_flags(), "-fopenmp", *_arch_flags()],
+            extra_cflags=[*_optimisation_flags(), *_contraction_flags(), "-fopenmp", *_arch_flags()],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
@@ -186,6 +192,10 @@ def _contraction_flags() -> list[str]:
     return ["-ffp-contract=off"]
 
 
+def _optimisation_flags() -> list[str]:
+    return [os.environ.get(OPT_ENV) or "-O3"]
+
+
 def _arch_flags() -> list[str]:
     # Built on the machine that runs it, so it may use every instruction this CPU has (or, with
     # DRAFTWISE_MARCH, those of the instruction set it names).
@@ -267,7 +277,7 @@ def _build_directory() -> Path:
     if flags:
         cpu += flags
     sources = b"".join(path.read_bytes() for path in sorted(KERNEL_DIR.glob("*.[ch]*")))
-    compiler = "|".join(_compiler()) + "|" + " ".join(_contraction_flags() + _arch_flags())  # another compiler or -march, another build
+    compiler = "|".join(_compiler()) + "|" + " ".join(_optimisation_flags() + _contraction_flags() + _arch_flags())  # another compiler, -O or -march: another build
     checkout = str(KERNEL_DIR.resolve())
     key = hashlib.sha256(f"{torch.__version__}|{cpu}|{compiler}|{checkout}".encode() + sources).hexdigest()[:12]
     return registry.cache_root() / "kernels" / f"draftwise_kernels-{key}"
