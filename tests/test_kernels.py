@@ -639,6 +639,20 @@ def test_an_instruction_set_asked_for_gets_its_own_build(monkeypatch):
     assert kernels_module._build_directory() != native
 
 
+def test_an_optimisation_level_asked_for_gets_its_own_build_and_fast_math_is_refused(monkeypatch):
+    """DRAFTWISE_KERNEL_OPT=-O1 (test_instruction_sets' portable build) builds apart; a level that
+    may reorder float operations (-Ofast) is refused with a warning that names it, at -O3."""
+    monkeypatch.delenv(kernels_module.OPT_ENV, raising=False)
+    assert kernels_module._optimisation_flags() == ["-O3"]
+    default = kernels_module._build_directory()
+    monkeypatch.setenv(kernels_module.OPT_ENV, "-O1")
+    assert kernels_module._optimisation_flags() == ["-O1"]
+    assert kernels_module._build_directory() != default
+    monkeypatch.setenv(kernels_module.OPT_ENV, "-Ofast")
+    with pytest.warns(RuntimeWarning, match="-Ofast"):
+        assert kernels_module._optimisation_flags() == ["-O3"]
+
+
 def test_each_checkout_of_the_same_sources_has_its_own_build(monkeypatch, tmp_path):
     """PyTorch's builder writes the sources' paths into the build: a build shared by two checkouts
     was rebuilt whenever the other one loaded it."""

@@ -192,8 +192,21 @@ def _contraction_flags() -> list[str]:
     return ["-ffp-contract=off"]
 
 
+OPTIMISATION_LEVELS = ("-O0", "-O1", "-O2", "-O3", "-Os")  # none of them reorders float operations
+
+
 def _optimisation_flags() -> list[str]:
-    return [os.environ.get(OPT_ENV) or "-O3"]
+    level = os.environ.get(OPT_ENV) or "-O3"
+    if level not in OPTIMISATION_LEVELS:
+        warnings.warn(
+            f"{OPT_ENV}={level!r} is not one of {', '.join(OPTIMISATION_LEVELS)}: building the kernels at -O3. "
+            "(-Ofast or -ffast-math would let the compiler reorder float sums, which a row's bits "
+            "being the same in every forward forbids.)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        level = "-O3"
+    return [level]
 
 
 def _arch_flags() -> list[str]:
