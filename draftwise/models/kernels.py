@@ -196,17 +196,21 @@ OPTIMISATION_LEVELS = ("-O0", "-O1", "-O2", "-O3", "-Os")  # none of them reorde
 
 
 def _optimisation_flags() -> list[str]:
-    level = os.environ.get(OPT_ENV) or "-O3"
-    if level not in OPTIMISATION_LEVELS:
-        warnings.warn(
-            f"{OPT_ENV}={level!r} is not one of {', '.join(OPTIMISATION_LEVELS)}: building the kernels at -O3. "
-            "(-Ofast or -ffast-math would let the compiler reorder float sums, which a row's bits "
-            "being the same in every forward forbids.)",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        level = "-O3"
-    return [level]
+    return [_checked_level(os.environ.get(OPT_ENV) or "-O3")]
+
+
+@functools.cache  # one warning per value, though a build asks twice (its directory's key, its flags)
+def _checked_level(level: str) -> str:
+    if level in OPTIMISATION_LEVELS:
+        return level
+    warnings.warn(
+        f"{OPT_ENV}={level!r} is not one of {', '.join(OPTIMISATION_LEVELS)}: building the kernels at -O3. "
+        "(-Ofast or -ffast-math would let the compiler reorder float sums, which a row's bits "
+        "being the same in every forward forbids.)",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+    return "-O3"
 
 
 def _arch_flags() -> list[str]:
