@@ -118,7 +118,7 @@ def test_each_row_is_bit_identical_whatever_rows_are_beside_it(kernels, format, 
     torch.manual_seed(0)
     x = torch.randn(80, num_columns)
     alone = torch.cat([weight.matmul(x[i:i + 1]) for i in range(80)])
-    for group in (2, 3, 9, 16, 20, 33, 80):  # decode and prefill paths, tails of every size
+    for group in (2, 3, 5, 7, 9, 12, 16, 20, 33, 80):  # decode and prefill paths, tails of every size
         together = torch.cat([weight.matmul(x[i:i + group]) for i in range(0, 80, group)])
         assert torch.equal(together, alone), f"rows differ when computed {group} at a time"
 
@@ -130,13 +130,13 @@ BLOCK_CASES = [case for case in CASES if case[0] not in (WeightFormat.BF16, Weig
 def test_blocks_and_their_dequantised_float32_give_the_same_product(kernels, format, make):
     """The decode path multiplies each block's weights in registers as it decodes them; the
     float32 path multiplies stored floats: the same products in the same order, the same bits
-    (45 weight rows: groups of 4, 2 and single rows; 1 to 32 rows of x; on AVX2, 5 and 8 rows
-    decode each weight row once for two groups of x rows)."""
+    (45 weight rows: groups of 4, 2 and single rows; 1 to 32 rows of x; on AVX2, 5 to 12 rows of
+    x on 32-weight blocks decode pairs of weight rows, and a lone last one, into floats first)."""
     data, num_columns = make(format)
     blocks = BlockWeight(data[:45].contiguous(), format, num_columns)
     dense = BlockWeight.from_float(blocks.rows(torch.arange(blocks.num_rows)), WeightFormat.F32)
     torch.manual_seed(1)
-    for rows in (1, 2, 3, 5, 8, 9, 20, 32):
+    for rows in (1, 2, 3, 5, 7, 8, 9, 12, 20, 32):
         x = torch.randn(rows, num_columns)
         assert torch.equal(blocks.matmul(x), dense.matmul(x)), f"{rows} rows of x"
 

@@ -4,7 +4,8 @@
 // On block formats no float32 copy of W is ever kept: each block is decoded 16 weights at a
 // time in registers (blocks.h) and multiplied into up to 8 rows of x at once, several weight
 // rows in step, with the next rows prefetched. A decode or verify step (up to 11 rows; on AVX2
-// up to 12, or 4 for Q4_K and Q6_K: block_tile_min_rows) runs all its rows against each weight
+// up to 4, and 5 to 12 on 32-weight blocks through decoded_pairs, which decodes two weight rows
+// into floats in L1 for all of them: block_tile_min_rows) runs all its rows against each weight
 // row. From 12 rows on (a long verify, a prefill) a tile of
 // weight rows (32 rows x 2048 columns) is decoded into float32 in cache once per 96 rows of x
 // and 6 x 4 register blocks run over it (Qwen2.5-1.5B, 256 rows: 60 -> 77 GMAC/s against
@@ -185,11 +186,9 @@ constexpr int64_t FUSED_X_BYTES = 16 * 1024;
 // partial[j * stride + i] (16 lanes) += x row i . weight row j over `columns` columns.
 // ahead: bytes from a block to the one the next call will read (prefetched here: the hardware
 // prefetchers lose track of several short row streams read in step; measured 2x slower).
-// kept (AVX2, one weight row): each decoded group is also stored there, in column order, for the
-// other groups of x rows to read (fused_from_kept) instead of decoding the row again.
-template <typename B, int NUM_X, int NUM_W, bool KEEP = false>
+template <typename B, int NUM_X, int NUM_W>
 inline void fused_slice(const float* x, const uint8_t* const* rows, v16* partial, int64_t stride, int64_t columns,
-                        int64_t K, int64_t ahead, float* kept = nullptr) {
+                        int64_t K, int64_t ahead) {
   v16 acc[NUM_X][NUM_W];
   const uint8_t* block[NUM_W];
   for (int j = 0; j < NUM_W; ++j) {
@@ -218,7 +217,6 @@ inline void fused_slice(const float* x, const uint8_t* const* rows, v16* partial
 #pragma GCC unroll 4
       for (int j = 0; j < NUM_W; ++j)
         B::template decode<1>(&block[j], [&](int g, const v16* w) DRAFTWISE_INLINE_LAMBDA {
-          if constexpr (KEEP) store16(kept + b * B::WEIGHTS + 16 * g, w[0]);
 #pragma GCC unroll 8
           for (int i = 0; i < NUM_X; ++i) acc[i][j] = fmadd(load16(xb + i * K + 16 * g), w[0], acc[i][j]);
         });
@@ -239,29 +237,81 @@ inline void fused_slice(const float* x, const uint8_t* const* rows, v16* partial
     for (int i = 0; i < NUM_X; ++i) partial[j * stride + i] = acc[i][j];
 }
 
-template <typename B, int NUM_W, int NUM_X = FUSED_ROWS_OF_X, bool KEEP = false>
+template <typename B, int NUM_W, int NUM_X = FUSED_ROWS_OF_X>
 inline void fused_slice_rows(int64_t num_x, const float* x, const uint8_t* const* rows, v16* partial, int64_t stride,
-                             int64_t columns, int64_t K, int64_t ahead, float* kept = nullptr) {
+                             int64_t columns, int64_t K, int64_t ahead) {
   if constexpr (NUM_X > 1) {
-    if (num_x < NUM_X)
-      return fused_slice_rows<B, NUM_W, NUM_X - 1, KEEP>(num_x, x, rows, partial, stride, columns, K, ahead, kept);
+    if (num_x < NUM_X) return fused_slice_rows<B, NUM_W, NUM_X - 1>(num_x, x, rows, partial, stride, columns, K, ahead);
   }
-  fused_slice<B, NUM_X, NUM_W, KEEP>(x, rows, partial, stride, columns, K, ahead, kept);
+  fused_slice<B, NUM_X, NUM_W>(x, rows, partial, stride, columns, K, ahead);
 }
 
 template <int NUM_W>
 inline void micro_rows(int64_t num_x, const float* x, int64_t x_stride, const float* w, int64_t w_stride,
                        v16* partial, int64_t columns, int64_t cols, Ends ends);
 
-// AVX2, more than one group of x rows: the first group's call decodes each weight row once into
-// `kept` (a slice of floats, in L1) while it multiplies, and the other groups multiply those floats
-// (micro: the same fused multiply-adds on the same values in the same column order, so the same
-// bits) instead of decoding the row again: a group's decode costs conversions and multiply-adds
-// on the ports its products need.
 #if defined(DRAFTWISE_V16_PAIR)
-inline void fused_from_kept(int64_t num_x, const float* x, int64_t K, const float* kept, v16* partial,
-                            int64_t columns) {
-  micro_rows<1>(num_x, x, K, kept, 0, partial, columns, 1, Ends{});
+// AVX2, 5 to 12 rows of x on 32-weight blocks (a tree's verify): two weight rows at a time are
+// decoded into floats in L1 (dequantize_row: the values every path multiplies), then micro<3, 2>
+// (or <2, 2>) runs every group of x rows against the pair: 12 (or 8) independent chains of
+// multiply-adds, 10 loads to 12 of them, where decoding in registers holds one weight row for at
+// most 4 rows of x (6-8 chains, one decode per group). Per output the same fused multiply-adds
+// in the same column order, so the same bits (micro is every path's loop). The work goes in
+// slices of K whose rows of x stay in L1 (PAIR_X_BYTES), each thread keeping the partial sums of
+// PAIR_CHUNK weight rows between slices. AMD EPYC Zen 3, SmolLM2 forwards after a 300-token
+// prompt, best of 40 in alternating processes (2026-11-29): 5 / 6 / 8 / 9 / 12 tokens 17.9-18.4
+// / 19.7-20.3 / 24.6-27.5 / 26.7-30.4 / 35.6-37.5 ms against 21.8-27.5 / 23.9-31.2 /
+// 30.2-37.1 / 33.9-43.5 / 44.3-53.4 on the fused path (one group of x rows per decode); at 3 and 4
+// rows no faster than that path, at 16 and 24 no faster than the tiles; Qwen2.5-Coder-1.5B's
+// Q4_K / Q6_K forwards at 9 and 12 tokens 1.1x slower than the tiles, so they keep those.
+constexpr int64_t PAIR_X_BYTES = 24 * 1024;
+constexpr int64_t PAIR_CHUNK = 8;
+constexpr int64_t PAIR_MIN_ROWS = 5;
+
+void decoded_pairs(const float* x, const uint8_t* w, int64_t format, float* y, int64_t M, int64_t K, int64_t N,
+                   int64_t row_bytes) {
+  const Layout blocks = layout(format);
+  int64_t group_start[8], group_size[8];  // x rows in groups of 3, then 2s (7 -> 3 + 2 + 2), never 1
+  int num_groups = 0;
+  for (int64_t m = 0; m < M; m += group_size[num_groups++]) {
+    const int64_t left = M - m;
+    group_start[num_groups] = m;
+    group_size[num_groups] = left == 4 || left == 2 ? 2 : std::min<int64_t>(3, left);
+  }
+  // Slices of equal whole blocks, as long as PAIR_X_BYTES of x allows (K = 576, 9 rows: one).
+  const int64_t x_columns = std::max<int64_t>(PAIR_X_BYTES / 4 / M / blocks.weights, 1) * blocks.weights;
+  const int64_t num_slices = (K + x_columns - 1) / x_columns;
+  const int64_t slice = (K / blocks.weights + num_slices - 1) / num_slices * blocks.weights;
+  const int64_t chunks = (N + PAIR_CHUNK - 1) / PAIR_CHUNK;
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    v16* partial = reinterpret_cast<v16*>(thread_buffer(PAIR_CHUNK * M * 16 + 2 * slice));  // [M][PAIR_CHUNK]
+    float* pair_values = reinterpret_cast<float*>(partial + PAIR_CHUNK * M);  // [2][slice]
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t n0 = c * PAIR_CHUNK, rows = std::min(PAIR_CHUNK, N - n0);
+      for (int64_t k0 = 0; k0 < K; k0 += slice) {
+        const int64_t columns = std::min(slice, K - k0);
+        const bool first = k0 == 0, last = k0 + columns == K;
+        for (int64_t r = 0; r < rows; r += 2) {
+          const int64_t pair = std::min<int64_t>(2, rows - r);
+          for (int64_t j = 0; j < pair; ++j) {
+            const uint8_t* row = w + (n0 + r + j) * row_bytes;
+            if (r + j + 2 < rows) prefetch_slice(format, row + 2 * row_bytes, k0, columns);
+            dequantize_row(format, row + k0 / blocks.weights * blocks.bytes, pair_values + j * slice, columns);
+          }
+          for (int g = 0; g < num_groups; ++g) {
+            const int64_t m = group_start[g];
+            const Ends ends{first, last ? y + m * N + n0 + r : nullptr, N};  // the last slice finishes into y
+            v16* sums = partial + m * PAIR_CHUNK + r;
+            if (pair == 2) {
+              micro_rows<2>(group_size[g], x + m * K + k0, K, pair_values, slice, sums, columns, PAIR_CHUNK, ends);
+            } else {
+              micro_rows<1>(group_size[g], x + m * K + k0, K, pair_values, 0, sums, columns, PAIR_CHUNK, ends);
+            }
+          }
+        }
+      }
+    }
+  });
 }
 #endif
 
@@ -274,19 +324,11 @@ void fused(const float* x, const uint8_t* w, int64_t format, float* y, int64_t M
   const int64_t abreast = kVectorRegisters == 32 ? (per_group <= 2 ? 4 : 2) : (per_group <= 2 ? 2 : 1);
   with_blocks(format, [&](auto blocks) {
     using B = decltype(blocks);
-    // AVX2 with several groups: each weight row decoded once (fused_from_kept), all M rows of x
-    // in L1 per slice.
-#if defined(DRAFTWISE_V16_PAIR)
-    const bool keep = groups > 1 && !kDecodesByTurns<B>;
-#else
-    const bool keep = false;
-#endif
-    const int64_t x_columns = FUSED_X_BYTES / 4 / (keep ? M : per_group) / B::WEIGHTS * B::WEIGHTS;
+    const int64_t x_columns = FUSED_X_BYTES / 4 / per_group / B::WEIGHTS * B::WEIGHTS;
     const int64_t slice = std::clamp<int64_t>(x_columns, B::WEIGHTS, K);
     const int64_t chunks = (N + FUSED_ROWS_OF_W - 1) / FUSED_ROWS_OF_W;
     at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
-      v16* partial = reinterpret_cast<v16*>(thread_buffer(FUSED_ROWS_OF_W * M * 16 + (keep ? slice : 0)));
-      [[maybe_unused]] float* kept = reinterpret_cast<float*>(partial + FUSED_ROWS_OF_W * M);
+      v16* partial = reinterpret_cast<v16*>(thread_buffer(FUSED_ROWS_OF_W * M * 16));
       for (int64_t c = c0; c < c1; ++c) {
         const int64_t n0 = c * FUSED_ROWS_OF_W, rows = std::min(FUSED_ROWS_OF_W, N - n0);
         for (int64_t i = 0; i < rows * M; ++i) partial[i] = v16{};
@@ -294,18 +336,6 @@ void fused(const float* x, const uint8_t* w, int64_t format, float* y, int64_t M
           const int64_t columns = std::min(slice, K - k0);
           const uint8_t* row[FUSED_ROWS_OF_W];
           for (int64_t r = 0; r < rows; ++r) row[r] = w + (n0 + r) * row_bytes + k0 / B::WEIGHTS * B::BYTES;
-#if defined(DRAFTWISE_V16_PAIR)
-          if (keep) {
-            const int64_t next = row_bytes;  // what the next call reads: the next row
-            for (int64_t r = 0; r < rows; ++r) {
-              fused_slice_rows<B, 1, FUSED_ROWS_OF_X, true>(per_group, x + k0, row + r, partial + r * M, M, columns, K,
-                                                            next, kept);
-              for (int64_t m = per_group; m < M; m += per_group)
-                fused_from_kept(std::min(per_group, M - m), x + m * K + k0, K, kept, partial + r * M + m, columns);
-            }
-            continue;
-          }
-#endif
           for (int64_t m = 0; m < M; m += per_group) {
             const int64_t num_x = std::min(per_group, M - m);
             const float* xm = x + m * K + k0;
@@ -428,17 +458,15 @@ constexpr int64_t BLOCK_TILE_M = 96, BLOCK_TILE_N = 32, BLOCK_TILE_K = 2048;
 // 8 tokens 1.27x / 1.15x / 1.12x / 1.08x, 9 / 12 / 16 tokens 0.93x / 0.92x / 0.85x; one matrix
 // alone, warm in cache, had favoured the tiles from 5 rows), from 5 for Q4_K and Q6_K, whose
 // decoding costs more (Qwen2.5-Coder-1.5B forwards at 5 and 8 tokens: fused 0.95x the tiles).
-// Since the groups after the first multiply the first group's decoded floats (fused_from_kept),
-// 32-weight blocks stay on the fused path up to 12 rows (AVX2 build on the AMX Xeon, model 207,
-// SmolLM2 forwards, best of 6 alternating processes, tiles against fused: 9 / 12 / 16 tokens
-// 35.4 / 42.6 / 54.8 ms against 33.7 / 41.5 / 57.1; a Zen 3 not yet measured).
+// On AVX2, 32-weight blocks take decoded_pairs up to 12 rows, which decodes each weight once for
+// all of them (the tiles at 16 and 24 rows measured the same as decoded_pairs there).
 inline int64_t block_tile_min_rows(int64_t format) {
   if (kVectorRegisters == 32) return 12;
   if (format == Q4_K || format == Q5_K || format == Q6_K) return 5;
 #if defined(DRAFTWISE_V16_PAIR)
   return 13;
 #else
-  return 9;  // no fused_from_kept here: each group decodes the row again
+  return 9;  // no decoded_pairs here: each group of the fused path decodes the row again
 #endif
 }
 
@@ -478,7 +506,10 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& weight, int64_t
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   if (is_block_format(format)) {
-    const auto run = M >= block_tile_min_rows(format) ? prefill_blocks : fused;
+    auto run = M >= block_tile_min_rows(format) ? prefill_blocks : fused;
+#if defined(DRAFTWISE_V16_PAIR)
+    if (layout(format).weights == 32 && M >= PAIR_MIN_ROWS && run == fused) run = decoded_pairs;
+#endif
     run(x.data_ptr<float>(), weight.data_ptr<uint8_t>(), format, y.data_ptr<float>(), M, K, N, weight.size(1));
     return y;
   }
