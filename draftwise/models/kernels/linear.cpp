@@ -270,6 +270,7 @@ constexpr int64_t PAIR_MIN_ROWS = 5;
 
 void decoded_pairs(const float* x, const uint8_t* w, int64_t format, float* y, int64_t M, int64_t K, int64_t N,
                    int64_t row_bytes) {
+  TORCH_CHECK(M <= 24, "decoded_pairs: ", M, " rows of x; it takes at most 24 (the tiles take more)");
   const Layout blocks = layout(format);
   int64_t group_start[8], group_size[8];  // x rows in groups of 3, then 2s (7 -> 3 + 2 + 2), never 1
   int num_groups = 0;
