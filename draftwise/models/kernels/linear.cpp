@@ -497,6 +497,17 @@ void prefill_blocks(const float* x, const uint8_t* w, int64_t format, float* y, 
   });
 }
 
+// Which product M rows of x take on block weights: the tiles from block_tile_min_rows, below
+// that decoded_pairs on AVX2's 32-weight blocks from PAIR_MIN_ROWS, else the fused decode.
+using BlockProduct = void (*)(const float*, const uint8_t*, int64_t, float*, int64_t, int64_t, int64_t, int64_t);
+inline BlockProduct block_product(int64_t format, int64_t M) {
+  if (M >= block_tile_min_rows(format)) return prefill_blocks;
+#if defined(DRAFTWISE_V16_PAIR)
+  if (layout(format).weights == 32 && M >= PAIR_MIN_ROWS) return decoded_pairs;
+#endif
+  return fused;
+}
+
 }  // namespace
 
 at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& weight, int64_t format, int64_t K) {
@@ -507,10 +518,7 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& weight, int64_t
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   if (is_block_format(format)) {
-    auto run = M >= block_tile_min_rows(format) ? prefill_blocks : fused;
-#if defined(DRAFTWISE_V16_PAIR)
-    if (layout(format).weights == 32 && M >= PAIR_MIN_ROWS && run == fused) run = decoded_pairs;
-#endif
+    const auto run = block_product(format, M);
     run(x.data_ptr<float>(), weight.data_ptr<uint8_t>(), format, y.data_ptr<float>(), M, K, N, weight.size(1));
     return y;
   }
