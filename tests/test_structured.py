@@ -113,16 +113,22 @@ def test_each_tree_row_is_masked_as_its_own_path_alone_would_be(engines):
     assert not torch.equal(logits[1], logits[2])  # the rows' states really differ
 
 
+def _fixed_lengths(engine):
+    """The engine's target and drafter with no draft-length policy: every step verifies its whole
+    draft, so counts of draft tokens and forwards do not follow measured times."""
+    from draftwise.engine import Engine
+
+    return Engine(engine.target, engine.drafter, engine.num_draft_tokens)
+
+
 def test_chain_drafts_are_cut_at_the_first_token_the_grammar_refuses(engines, monkeypatch):
     """ngram copies prose from the prompt that a JSON schema refuses: those draft tokens never
     reach the verify (fewer rows), and the output is the same. Fixed draft lengths: the adaptive
     policy's choices follow measured forward times, and on a noisy machine they once gave the
     uncut run fewer draft tokens than the cut one (3 against 4)."""
     from draftwise import step
-    from draftwise.engine import Engine
 
-    adaptive = engines["ngram"]
-    fixed = Engine(adaptive.target, adaptive.drafter, adaptive.num_draft_tokens)  # no policy: every draft token
+    fixed = _fixed_lengths(engines["ngram"])
     grammar = structured.json_schema(SCHEMA)
     cut = fixed.generate(PERSON, max_new_tokens=80, grammar=grammar)
     monkeypatch.setattr(step, "_inside_grammar", lambda seq, draft, after=None: draft)
@@ -137,15 +143,13 @@ def test_tokens_the_grammar_forces_are_drafted_and_change_no_token(engines, monk
     acceptance record alone, and the output is plain decoding's; plain decoding drafts nothing.
     Fixed draft lengths, so that the forward counts compared do not follow measured times."""
     from draftwise import step
-    from draftwise.engine import Engine
 
     grammar = structured.regex(r'\{"name": "[A-Z][a-z]+", "city": "[A-Z][a-z]+", "country": "[A-Z][a-z]+"\}')
     plain = engines["none"].generate(PERSON, max_new_tokens=48, grammar=grammar)
     assert re.fullmatch(r'\{"name": "[A-Z][a-z]+", "city": "[A-Z][a-z]+", "country": "[A-Z][a-z]+"\}', plain.text)
     assert plain.metrics.num_forced_tokens == 0 and plain.metrics.num_target_forwards == len(plain.token_ids) + 1
     for name in ("ngram", "eagle"):
-        adaptive = engines[name]
-        fixed = Engine(adaptive.target, adaptive.drafter, adaptive.num_draft_tokens)  # no policy
+        fixed = _fixed_lengths(engines[name])
         forced = fixed.generate(PERSON, max_new_tokens=48, grammar=grammar)
         assert forced.token_ids == plain.token_ids, name
         assert forced.metrics.num_forced_tokens >= 6, name  # '{"', 'name', '":', ' "', ... at least
