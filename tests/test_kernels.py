@@ -116,10 +116,12 @@ def test_each_row_is_bit_identical_whatever_rows_are_beside_it(kernels, format, 
         data, num_columns = dict(CASES)[format](format)
     weight = BlockWeight(data, format, num_columns)
     torch.manual_seed(0)
-    x = torch.randn(80, num_columns)
-    alone = torch.cat([weight.matmul(x[i:i + 1]) for i in range(80)])
-    for group in (2, 3, 5, 7, 9, 12, 16, 20, 33, 80):  # decode and prefill paths, tails of every size
-        together = torch.cat([weight.matmul(x[i:i + group]) for i in range(0, 80, group)])
+    x = torch.randn(200, num_columns)
+    alone = torch.cat([weight.matmul(x[i:i + 1]) for i in range(200)])
+    # decode and prefill paths, tails of every size; 97 and 200 rows: the prefill's row tiles (at
+    # most 96 rows, cut evenly, rounded to register blocks: 51 + 46 and 69 + 69 + 62 on AVX2)
+    for group in (2, 3, 5, 7, 9, 12, 16, 20, 33, 80, 97, 200):
+        together = torch.cat([weight.matmul(x[i:i + group]) for i in range(0, 200, group)])
         assert torch.equal(together, alone), f"rows differ when computed {group} at a time"
 
 

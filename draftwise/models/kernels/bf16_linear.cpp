@@ -410,7 +410,8 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, int64_t fo
     fused(x_rounded.data(), Kp, w, format, out, M, K, N, row_bytes);
     return y;
   }
-  const int64_t tiles_m = (M + TILE_M - 1) / TILE_M, tiles_n = (N + TILE_N - 1) / TILE_N;
+  const int64_t tile_m = even_tile_rows(M, TILE_M, ROWS_OF_X);
+  const int64_t tiles_m = (M + tile_m - 1) / tile_m, tiles_n = (N + TILE_N - 1) / TILE_N;
   at::parallel_for(0, tiles_m * tiles_n, 1, [&](int64_t t0, int64_t t1) {
     // partial sums (parked between column steps), the weight tile, one row's floats
     float* buffer = thread_buffer(TILE_M * TILE_N * 16 + TILE_N * TILE_K / 2 + TILE_K);
@@ -418,8 +419,8 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, int64_t fo
     uint16_t* tile = reinterpret_cast<uint16_t*>(buffer + TILE_M * TILE_N * 16);
     float* scratch = buffer + TILE_M * TILE_N * 16 + TILE_N * TILE_K / 2;
     for (int64_t t = t0; t < t1; ++t) {  // weight tiles advance fastest: a thread's x tile stays in cache
-      const int64_t m0 = t / tiles_n * TILE_M, n0 = t % tiles_n * TILE_N;
-      const int64_t rows = std::min(TILE_M, M - m0), cols = std::min(TILE_N, N - n0);
+      const int64_t m0 = t / tiles_n * tile_m, n0 = t % tiles_n * TILE_N;
+      const int64_t rows = std::min(tile_m, M - m0), cols = std::min(TILE_N, N - n0);
       for (int64_t k0 = 0; k0 < Kp; k0 += TILE_K) {
         const int64_t columns = std::min(TILE_K, Kp - k0);
         for (int64_t j = 0; j < cols; ++j) {

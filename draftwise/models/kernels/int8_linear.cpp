@@ -38,6 +38,7 @@
 // instruction set below (AVX-512 VNNI, AVX-512BW, portable C++) computes the same integers.
 #include "blocks.h"
 #include "kernels.h"
+#include "tiles.h"
 
 #include <ATen/Parallel.h>
 
@@ -981,7 +982,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, int64_t fo
   const int64_t rows_per_item = M <= 16 ? 4 : 16;
   const int64_t weight_items = (N + rows_per_item - 1) / rows_per_item;
   const int64_t rows_of_x = is_kquant(format) ? KQUANT_ROWS_OF_X : ROWS_OF_X;
-  const int64_t tile_m = std::clamp<int64_t>((X_TILE_BYTES / Kp) / rows_of_x * rows_of_x, 64, 512);
+  const int64_t tile_m =
+      even_tile_rows(M, std::clamp<int64_t>((X_TILE_BYTES / Kp) / rows_of_x * rows_of_x, 64, 512), rows_of_x);
   const int64_t items = weight_items * ((M + tile_m - 1) / tile_m);
   const uint8_t* w = weight.data_ptr<uint8_t>();
   float* out = y.data_ptr<float>();

@@ -474,14 +474,15 @@ inline int64_t block_tile_min_rows(int64_t format) {
 void prefill_blocks(const float* x, const uint8_t* w, int64_t format, float* y, int64_t M, int64_t K, int64_t N,
                     int64_t row_bytes) {
   const Layout blocks = layout(format);
-  const int64_t tiles_m = (M + BLOCK_TILE_M - 1) / BLOCK_TILE_M, tiles_n = (N + BLOCK_TILE_N - 1) / BLOCK_TILE_N;
+  const int64_t tile_m = even_tile_rows(M, BLOCK_TILE_M, ROWS_OF_X);
+  const int64_t tiles_m = (M + tile_m - 1) / tile_m, tiles_n = (N + BLOCK_TILE_N - 1) / BLOCK_TILE_N;
   at::parallel_for(0, tiles_m * tiles_n, 1, [&](int64_t t0, int64_t t1) {
     float* buffer = thread_buffer(BLOCK_TILE_M * BLOCK_TILE_N * 16 + BLOCK_TILE_N * BLOCK_TILE_K);
     v16* partial = reinterpret_cast<v16*>(buffer);
     float* tile = buffer + BLOCK_TILE_M * BLOCK_TILE_N * 16;
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t m0 = t / tiles_n * BLOCK_TILE_M, n0 = t % tiles_n * BLOCK_TILE_N;
-      const int64_t rows = std::min(BLOCK_TILE_M, M - m0), cols = std::min(BLOCK_TILE_N, N - n0);
+      const int64_t m0 = t / tiles_n * tile_m, n0 = t % tiles_n * BLOCK_TILE_N;
+      const int64_t rows = std::min(tile_m, M - m0), cols = std::min(BLOCK_TILE_N, N - n0);
       for (int64_t k0 = 0; k0 < K; k0 += BLOCK_TILE_K) {
         const int64_t columns = std::min(BLOCK_TILE_K, K - k0);  // whole blocks: K is a multiple of a block
         for (int64_t j = 0; j < cols; ++j) {

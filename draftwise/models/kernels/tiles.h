@@ -1,9 +1,11 @@
-// What the blocked products share (linear.cpp, bf16_linear.cpp): per-thread scratch memory,
-// where a register block's sums start and end, and how they are finished into y.
+// What the blocked products share (linear.cpp, bf16_linear.cpp, int8_linear.cpp): per-thread
+// scratch memory, how rows of x are cut into tiles, where a register block's sums start and end,
+// and how they are finished into y.
 #pragma once
 
 #include "vec.h"
 
+#include <algorithm>
 #include <vector>
 
 namespace draftwise {
@@ -14,6 +16,18 @@ inline float* thread_buffer(int64_t size) {
   if (int64_t(buffer.size()) < size + 16) buffer.resize(size + 16);
   const auto address = reinterpret_cast<uintptr_t>(buffer.data());
   return reinterpret_cast<float*>((address + 63) & ~uintptr_t(63));
+}
+
+// The height of the row tiles that cut M rows of x into equal parts of at most max_rows, rounded
+// up to a multiple of `multiple` (a register block's rows) but never past max_rows. Work items
+// walk the weight tiles fastest, so the threads split the row tiles between them: a 128-token
+// prefill chunk cut as 96 + 32 rows gave one of two threads three times the other's work (the
+// other waiting in libgomp: 23% of a SmolLM2 prefill's samples on a Zen 3). A tile's height
+// changes no output's arithmetic: each output's multiply-adds run along its own columns.
+inline int64_t even_tile_rows(int64_t M, int64_t max_rows, int64_t multiple = 1) {
+  const int64_t tiles = (M + max_rows - 1) / max_rows;
+  const int64_t rows = (M + tiles - 1) / tiles;
+  return std::min(max_rows, (rows + multiple - 1) / multiple * multiple);
 }
 
 // Where a register block's sums start and end: from `partial` or from zero (a first column
