@@ -184,14 +184,31 @@ def test_int8_rows_are_bit_identical_whatever_rows_are_beside_them(kernels, form
     weight = BlockWeight(data, format, num_columns)
     weight.activations = "int8"
     torch.manual_seed(1)
-    x = torch.randn(80, num_columns)
-    alone = torch.cat([weight.matmul(x[i:i + 1]) for i in range(80)])
+    x = torch.randn(200, num_columns)
+    alone = torch.cat([weight.matmul(x[i:i + 1]) for i in range(200)])
     # in registers: up to 16 rows, in passes of at most 9 (AVX-512) or 4 (AVX2: 5 = 2 + 3, 7 = 3 + 4,
     # 10 = 3 + 3 + 4); from 17 the unpacked path, whose tiles take 4 rows of x at a time (AVX2's
     # K-quant tile: 6), so 17, 19, 21, 22 and 80 end on every smaller tile: 17 = 6 + 6 + 5,
-    # 19 = ... + 1, 21 = ... + 3, 22 = ... + 4, 80 = 13 x 6 + 2 (with 4: + 1, + 3, + 1, + 2, + 0)
-    for group in (3, 5, 7, 9, 10, 16, 17, 19, 21, 22, 80):
-        together = torch.cat([weight.matmul(x[i:i + group]) for i in range(0, 80, group)])
+    # 19 = ... + 1, 21 = ... + 3, 22 = ... + 4, 80 = 13 x 6 + 2 (with 4: + 1, + 3, + 1, + 2, + 0);
+    # 80, 97 and 200 span several of its row tiles (at least 64 rows, cut evenly)
+    for group in (3, 5, 7, 9, 10, 16, 17, 19, 21, 22, 80, 97, 200):
+        together = torch.cat([weight.matmul(x[i:i + group]) for i in range(0, 200, group)])
+        assert torch.equal(together, alone), f"rows differ when computed {group} at a time"
+
+
+@pytest.mark.parametrize("format", [WeightFormat.Q4_K, WeightFormat.Q6_K, WeightFormat.Q4_1, WeightFormat.Q8_0],
+                         ids=lambda f: f.name)
+def test_bf16_activation_rows_are_bit_identical_whatever_rows_are_beside_them(kernels, format):
+    """--activations bf16 (emulated where the CPU lacks AVX-512 BF16): the decode path up to 16 rows
+    of x, then tiles of at most 96 rows cut evenly (97 = 49 + 48, 200 = 3 tiles)."""
+    data, num_columns = dict(CASES)[format](format)
+    weight = BlockWeight(data, format, num_columns)
+    weight.activations = "bf16"
+    torch.manual_seed(2)
+    x = torch.randn(200, num_columns)
+    alone = torch.cat([weight.matmul(x[i:i + 1]) for i in range(200)])
+    for group in (3, 9, 16, 17, 33, 97, 200):
+        together = torch.cat([weight.matmul(x[i:i + group]) for i in range(0, 200, group)])
         assert torch.equal(together, alone), f"rows differ when computed {group} at a time"
 
 
