@@ -62,10 +62,11 @@ def test_bf16_rows_are_bit_identical_whatever_rows_are_beside_them(kernels, form
     weight = BlockWeight(data, format, num_columns)
     weight.activations = "bf16"
     torch.manual_seed(1)
-    x = torch.randn(120, num_columns)
-    alone = torch.cat([weight.matmul(x[i:i + 1]) for i in range(120)])
-    for group in (3, 8, 9, 16, 97, 120):  # 8: the most in registers; 97: two tiles of rows
-        together = torch.cat([weight.matmul(x[i:i + group]) for i in range(0, 120, group)])
+    x = torch.randn(200, num_columns)
+    alone = torch.cat([weight.matmul(x[i:i + 1]) for i in range(200)])
+    # 8: the most in registers; 97, 120: two tiles of rows, 200: three (at most 96 rows, cut evenly)
+    for group in (3, 8, 9, 16, 97, 120, 200):
+        together = torch.cat([weight.matmul(x[i:i + group]) for i in range(0, 200, group)])
         assert torch.equal(together, alone), f"rows differ when computed {group} at a time"
 
 

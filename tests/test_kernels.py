@@ -196,22 +196,6 @@ def test_int8_rows_are_bit_identical_whatever_rows_are_beside_them(kernels, form
         assert torch.equal(together, alone), f"rows differ when computed {group} at a time"
 
 
-@pytest.mark.parametrize("format", [WeightFormat.Q4_K, WeightFormat.Q6_K, WeightFormat.Q4_1, WeightFormat.Q8_0],
-                         ids=lambda f: f.name)
-def test_bf16_activation_rows_are_bit_identical_whatever_rows_are_beside_them(kernels, format):
-    """--activations bf16 (emulated where the CPU lacks AVX-512 BF16): the decode path up to 16 rows
-    of x, then tiles of at most 96 rows cut evenly (97 = 49 + 48, 200 = 3 tiles)."""
-    data, num_columns = dict(CASES)[format](format)
-    weight = BlockWeight(data, format, num_columns)
-    weight.activations = "bf16"
-    torch.manual_seed(2)
-    x = torch.randn(200, num_columns)
-    alone = torch.cat([weight.matmul(x[i:i + 1]) for i in range(200)])
-    for group in (3, 9, 16, 17, 33, 97, 200):
-        together = torch.cat([weight.matmul(x[i:i + group]) for i in range(0, 200, group)])
-        assert torch.equal(together, alone), f"rows differ when computed {group} at a time"
-
-
 @pytest.mark.parametrize("format", [WeightFormat.Q4_0, WeightFormat.Q4_1, WeightFormat.Q5_0, WeightFormat.Q5_1,
                                     WeightFormat.Q8_0], ids=lambda f: f.name)
 @pytest.mark.parametrize("num_columns", [96, 576])  # 96: a last 64-column step with one block
