@@ -137,10 +137,26 @@ inline void q4k_scales(const uint8_t* packed, uint8_t* out) {
 // The same 16 bytes in a register, never through memory: a 16-byte load of bytes just written by
 // two 8-byte stores cannot take them from the store buffer and waits until both reach the cache
 // (perf, Qwen2.5-Coder-1.5B's one-token forward on AMX tiles: 42% of the Q4_K rounding's samples
-// on the instruction after that load).
+// on the instruction after that load). With SSSE3, by two byte shuffles of the block's bytes
+// instead of q4k_scale_bytes' ~25 scalar instructions: packed must be a block's scale bytes
+// (block + 4), as the 16-byte load reads the 4 bytes after them. On AVX2 the scalar unpacking was
+// a fifth of a Q4_K one-row product's time (perf, AMD EPYC Zen 3).
 inline __m128i q4k_scales_register(const uint8_t* packed) {
+#if defined(__SSSE3__)
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed));
+  // Bytes 0..3 scales 0..3 (6 bits), 4..7 scales 4..7's low nibbles (bytes 8..11), 8..11 mins
+  // 0..3 (bytes 4..7), 12..15 mins 4..7's low nibbles (the high nibbles of bytes 8..11).
+  const __m128i low = _mm_shuffle_epi8(bytes, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+  // Scales 4..7 and mins 4..7 take their top two bits from the top of bytes 0..3 and 4..7.
+  const __m128i top = _mm_shuffle_epi8(bytes, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+  const __m128i six = _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0);
+  const __m128i upper = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15);
+  return _mm_or_si128(_mm_or_si128(_mm_and_si128(low, six), _mm_and_si128(_mm_srli_epi16(low, 4), upper)),
+                      _mm_and_si128(_mm_srli_epi16(top, 2), _mm_set1_epi8(0x30)));
+#else
   const ScaleBytes bytes = q4k_scale_bytes(packed);
   return _mm_set_epi64x(int64_t(bytes.high), int64_t(bytes.low));
+#endif
 }
 #endif
 
@@ -158,6 +174,10 @@ DRAFTWISE_ALWAYS_INLINE void q4k_scaled(const uint8_t* block, float* out) {
   const __m512i wide = _mm512_cvtepu8_epi32(q4k_scales_register(block + 4));
   vi16 scales;
   std::memcpy(&scales, &wide, sizeof scales);
+  store16(out, to_float(scales) * both);
+#elif defined(DRAFTWISE_V16_PAIR)
+  const __m128i packed = q4k_scales_register(block + 4);
+  const vi16 scales = join(_mm256_cvtepu8_epi32(packed), _mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8)));
   store16(out, to_float(scales) * both);
 #else
   alignas(16) uint8_t scales[16];
@@ -331,11 +351,11 @@ struct Blocks<Q4_K> {
   }
 #if defined(DRAFTWISE_V16_PAIR)
   // AVX2, the rows of a decode step: decode's weights, the rows taking turns by quarter block
-  // (64 columns) instead of by whole block; use(r, g, w) with w group g of row r.
+  // (64 columns) instead of by whole block; use(r, g, w) with w group g of row r. scaled[r]:
+  // q4k_scaled's 16 values for row r's block, computed ahead by the caller (fused_slice).
   template <int R, typename Use>
-  static DRAFTWISE_ALWAYS_INLINE void decode_by_turns(const uint8_t* const* block, Use use) {
-    alignas(64) float scaled[R][16];
-    q4k_scaled(block, scaled);
+  static DRAFTWISE_ALWAYS_INLINE void decode_by_turns(const uint8_t* const* block, const float* const* scaled,
+                                                      Use use) {
 #pragma GCC unroll 4
     for (int pair = 0; pair < 4; ++pair) {
 #pragma GCC unroll 4
