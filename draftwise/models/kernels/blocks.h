@@ -491,7 +491,9 @@ struct Blocks<Q6_K> {
 
 #if defined(DRAFTWISE_V16_PAIR)
 // The formats whose decode step's rows take turns within a block on AVX2 (decode_by_turns;
-// linear.cpp, fused_slice). Q6_K's did the same and measured no faster (1.00x at one row).
+// linear.cpp, fused_slice). Q6_K's did the same and measured no faster (1.00x at one row); tried
+// again with its scales ahead (2026-11-29): 1.13x for one row on one thread, but no faster in
+// whole two-thread forwards (docs/weight-formats.md, "Q4_K block scales ahead").
 template <typename B>
 constexpr bool kDecodesByTurns = std::is_same_v<B, Blocks<Q4_K>>;
 #endif
