@@ -1,0 +1,187 @@
+"""Two checkouts of draftwise (or one and llama.cpp) timed side by side: each side is a
+long-lived process, and the two take turns, one waiting on a pipe while the other times, so both
+see the same minutes of a noisy shared machine. Prints the best and the median of each job over
+the rounds, and their ratio.
+
+    git worktree add /tmp/before HEAD~1
+    python benchmarks/ab_builds.py /tmp/before . --model qwen2.5-coder-1.5b --forward 1 2 --rounds 12
+    python benchmarks/ab_builds.py /tmp/before . --matrix layers.0.mlp.gate_proj --rows 1 --threads 1
+    python benchmarks/ab_builds.py llama.cpp . --activations int8 --forward 1 --prefill 2048 --rounds 2
+
+A side is a checkout's folder (its draftwise is imported through PYTHONPATH, and builds its own
+kernels on first use) or `llama.cpp` (llama-cpp-python on the model's GGUF file: forwards and
+prefill only). Two builds of the kernels cannot be compared inside one process: glibc's dlopen
+hands back the first draftwise_kernels.so for the second (the same SONAME), so both would be one.
+Forwards follow a 64-token prompt and are rolled back after each; --matrix times one product of
+the first layer's (or the LM head's) weight, as benchmarks/kernel_cost.py names them."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+CONTEXT = 64  # prompt tokens before each timed forward
+
+
+def _draftwise_worker(model_name: str, activations: str):
+    """A job runner on draftwise: job (kind, size, calls) -> best seconds of `calls` calls."""
+    import torch
+
+    import draftwise
+    from draftwise.models.linear import BlockLinear
+
+    model = draftwise.load(model_name, progress=False, activations=activations).target.model
+    cache = model.new_cache(CONTEXT + 64)
+    model.forward(torch.randint(1000, (CONTEXT,)), torch.arange(CONTEXT), cache, num_logits=1)
+    matrices = {f"layers.0.{name}": module for name, module in model.model.layers[0].named_modules()
+                if isinstance(module, BlockLinear)}
+    matrices["lm_head"] = model.lm_head
+
+    def forward(size: int) -> None:
+        model.forward(torch.randint(1000, (size,)), torch.arange(CONTEXT, CONTEXT + size), cache)
+        cache.truncate(CONTEXT)
+
+    def prefill(size: int) -> None:
+        model.forward(torch.randint(1000, (size,)), torch.arange(size), model.new_cache(size), num_logits=1)
+
+    def run(kind: str, size: str) -> Callable[[], None]:
+        if kind == "forward":
+            return lambda: forward(int(size))
+        if kind == "prefill":
+            return lambda: prefill(int(size))
+        name, rows = size.rsplit("@", 1)
+        linear, x = matrices[name], torch.randn(int(rows), matrices[name].weight.num_columns)
+        return lambda: linear(x)
+
+    return run
+
+
+def _llama_cpp_worker(model_name: str, threads: int):
+    from llama_cpp import Llama
+
+    from draftwise.models import registry
+
+    llm = Llama(model_path=str(registry.gguf_path(model_name)), n_threads=threads, n_threads_batch=threads,
+                n_ctx=4096, verbose=False)
+    prompt = list(range(1000, 1000 + CONTEXT))
+    llm.eval(prompt)
+
+    def forward(size: int) -> None:
+        llm.n_tokens = CONTEXT  # drop what the last forward added
+        llm.eval(list(range(2000, 2000 + size)))
+
+    def prefill(size: int) -> None:
+        llm.reset()
+        llm.eval([1000 + (7 * i) % 5000 for i in range(size)])
+        llm.reset()
+        llm.eval(prompt)
+
+    def run(kind: str, size: str) -> Callable[[], None]:
+        if kind == "matrix":
+            raise SystemExit("ab_builds: llama.cpp times forwards and prefill only, not --matrix")
+        return (lambda: forward(int(size))) if kind == "forward" else (lambda: prefill(int(size)))
+
+    return run
+
+
+def worker(side: str, model_name: str, activations: str, threads: int) -> None:
+    """Reads 'kind size calls' lines on stdin and answers each with the best seconds of its calls."""
+    import torch
+
+    torch.set_num_threads(threads)
+    run = _llama_cpp_worker(model_name, threads) if side == "llama.cpp" else _draftwise_worker(model_name, activations)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        kind, size, calls = line.split()
+        job = run(kind, size)
+        job()  # warm: first-call allocations, caches
+        best = float("inf")
+        for _ in range(int(calls)):
+            tic = time.perf_counter()
+            job()
+            best = min(best, time.perf_counter() - tic)
+        print(best, flush=True)
+
+
+def start(side: str, args: argparse.Namespace) -> subprocess.Popen:
+    env = dict(os.environ)
+    if side == "llama.cpp" and importlib.util.find_spec("llama_cpp") is None:
+        raise SystemExit("ab_builds: llama-cpp-python is not installed: pip install 'draftwise[llamacpp]' "
+                         "(it builds llama.cpp from source for this CPU, a few minutes)")
+    if side != "llama.cpp":
+        folder = Path(side).resolve()
+        if not (folder / "draftwise" / "__init__.py").is_file():
+            raise SystemExit(f"ab_builds: {side} is not a draftwise checkout (no draftwise/__init__.py there) "
+                             "nor `llama.cpp`; give a folder such as a `git worktree add` of the commit to compare")
+        env["PYTHONPATH"] = str(folder)
+    command = [sys.executable, str(Path(__file__).resolve()), "--worker", side, "--model", args.model,
+               "--activations", args.activations, "--threads", str(args.threads)]
+    process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    if process.stdout.readline().strip() != "ready":
+        raise SystemExit(f"ab_builds: the {side} side did not start (its error is above)")
+    return process
+
+
+def ask(process: subprocess.Popen, job: str) -> float:
+    process.stdin.write(job + "\n")
+    process.stdin.flush()
+    answer = process.stdout.readline()
+    if not answer:
+        raise SystemExit(f"ab_builds: a side stopped during '{job}' (its error is above)")
+    return float(answer)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("before", nargs="?", help="a draftwise checkout's folder, or llama.cpp")
+    parser.add_argument("after", nargs="?", help="a draftwise checkout's folder, or llama.cpp")
+    parser.add_argument("--model", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--activations", default="float32", help="the draftwise sides' (default float32)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--forward", nargs="*", type=int, default=[], help="tokens a forward, after a 64-token prompt")
+    parser.add_argument("--prefill", nargs="*", type=int, default=[], help="prompt lengths, one forward each")
+    parser.add_argument("--matrix", nargs="*", default=[], help="weights by kernel_cost.py's names, e.g. lm_head")
+    parser.add_argument("--rows", type=int, default=1, help="rows of x for --matrix")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--calls", type=int, default=5, help="calls a job a round (its best is the round's)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args.worker, args.model, args.activations, args.threads)
+    jobs = ([f"forward {n}" for n in args.forward] + [f"prefill {n}" for n in args.prefill]
+            + [f"matrix {name}@{args.rows}" for name in args.matrix])
+    if not (args.before and args.after):
+        parser.error("give the two sides to compare: two checkouts' folders, or one and llama.cpp")
+    if not jobs:
+        parser.error("nothing to time: give --forward, --prefill or --matrix")
+    sides = {"before": start(args.before, args), "after": start(args.after, args)}
+    times = {(side, job): [] for side in sides for job in jobs}
+    for round_ in range(args.rounds):
+        for job in jobs:
+            order = ("before", "after") if round_ % 2 == 0 else ("after", "before")
+            for side in order:
+                times[(side, job)].append(ask(sides[side], f"{job} {args.calls}"))
+        print(f"round {round_ + 1}/{args.rounds}", file=sys.stderr, flush=True)
+    for process in sides.values():
+        process.stdin.close()
+        process.wait()
+    print(f"{args.model}, {args.activations} activations, {args.threads} threads, {args.rounds} rounds taking turns; "
+          f"before = {args.before}, after = {args.after}")
+    print("| job | before best / median, ms | after best / median, ms | before / after (best, median) |")
+    print("|---|---|---|---|")
+    for job in jobs:
+        before, after = times[("before", job)], times[("after", job)]
+        b, a = min(before) * 1e3, min(after) * 1e3
+        bm, am = statistics.median(before) * 1e3, statistics.median(after) * 1e3
+        print(f"| {job.replace('@', ', rows ')} | {b:.2f} / {bm:.2f} | {a:.2f} / {am:.2f} | {b / a:.3f}x, {bm / am:.3f}x |")
+
+
+if __name__ == "__main__":
+    main()
