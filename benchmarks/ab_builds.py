@@ -30,40 +30,38 @@ from pathlib import Path
 CONTEXT = 64  # prompt tokens before each timed forward
 
 
-def _draftwise_worker(model_name: str, activations: str):
-    """A job runner on draftwise: job (kind, size, calls) -> best seconds of `calls` calls."""
+# A job: the call timed, then what puts the model back for the next call (untimed).
+Job = tuple[Callable[[], None], Callable[[], None]]
+
+
+def _draftwise_worker(model_name: str, activations: str) -> Callable[[str, str], Job]:
+    """Job maker on draftwise: (kind, size) -> Job."""
     import torch
 
     import draftwise
-    from draftwise.models.linear import BlockLinear
+    from kernel_cost import matrices  # benchmarks/kernel_cost.py: this script's folder comes first on sys.path
 
     model = draftwise.load(model_name, progress=False, activations=activations).target.model
     cache = model.new_cache(CONTEXT + 64)
     model.forward(torch.randint(1000, (CONTEXT,)), torch.arange(CONTEXT), cache, num_logits=1)
-    matrices = {f"layers.0.{name}": module for name, module in model.model.layers[0].named_modules()
-                if isinstance(module, BlockLinear)}
-    matrices["lm_head"] = model.lm_head
+    weights = matrices(model)
 
-    def forward(size: int) -> None:
-        model.forward(torch.randint(1000, (size,)), torch.arange(CONTEXT, CONTEXT + size), cache)
-        cache.truncate(CONTEXT)
-
-    def prefill(size: int) -> None:
-        model.forward(torch.randint(1000, (size,)), torch.arange(size), model.new_cache(size), num_logits=1)
-
-    def run(kind: str, size: str) -> Callable[[], None]:
+    def run(kind: str, size: str) -> Job:
         if kind == "forward":
-            return lambda: forward(int(size))
+            tokens, positions = torch.randint(1000, (int(size),)), torch.arange(CONTEXT, CONTEXT + int(size))
+            return (lambda: model.forward(tokens, positions, cache)), (lambda: cache.truncate(CONTEXT))
         if kind == "prefill":
-            return lambda: prefill(int(size))
+            prompt_cache, tokens = model.new_cache(int(size)), torch.randint(1000, (int(size),))
+            return (lambda: model.forward(tokens, torch.arange(int(size)), prompt_cache, num_logits=1),
+                    lambda: prompt_cache.truncate(0))
         name, rows = size.rsplit("@", 1)
-        linear, x = matrices[name], torch.randn(int(rows), matrices[name].weight.num_columns)
-        return lambda: linear(x)
+        linear, x = weights[name], torch.randn(int(rows), weights[name].weight.num_columns)
+        return (lambda: linear(x)), (lambda: None)
 
     return run
 
 
-def _llama_cpp_worker(model_name: str, threads: int):
+def _llama_cpp_worker(model_name: str, threads: int) -> Callable[[str, str], Job]:
     from llama_cpp import Llama
 
     from draftwise.models import registry
@@ -73,20 +71,25 @@ def _llama_cpp_worker(model_name: str, threads: int):
     prompt = list(range(1000, 1000 + CONTEXT))
     llm.eval(prompt)
 
-    def forward(size: int) -> None:
-        llm.n_tokens = CONTEXT  # drop what the last forward added
-        llm.eval(list(range(2000, 2000 + size)))
-
-    def prefill(size: int) -> None:
-        llm.reset()
-        llm.eval([1000 + (7 * i) % 5000 for i in range(size)])
+    def restore_prompt() -> None:
         llm.reset()
         llm.eval(prompt)
 
-    def run(kind: str, size: str) -> Callable[[], None]:
-        if kind == "matrix":
-            raise SystemExit("ab_builds: llama.cpp times forwards and prefill only, not --matrix")
-        return (lambda: forward(int(size))) if kind == "forward" else (lambda: prefill(int(size)))
+    def run(kind: str, size: str) -> Job:
+        if kind == "forward":
+            tokens = list(range(2000, 2000 + int(size)))
+
+            def drop_forward() -> None:
+                llm.n_tokens = CONTEXT  # as cache.truncate: the next forward writes over what this one added
+
+            return (lambda: llm.eval(tokens)), drop_forward
+        tokens = [1000 + (7 * i) % 5000 for i in range(int(size))]
+
+        def prefill() -> None:
+            llm.reset()
+            llm.eval(tokens)
+
+        return prefill, restore_prompt
 
     return run
 
@@ -100,13 +103,15 @@ def worker(side: str, model_name: str, activations: str, threads: int) -> None:
     print("ready", flush=True)
     for line in sys.stdin:
         kind, size, calls = line.split()
-        job = run(kind, size)
+        job, restore = run(kind, size)
         job()  # warm: first-call allocations, caches
+        restore()
         best = float("inf")
         for _ in range(int(calls)):
             tic = time.perf_counter()
             job()
             best = min(best, time.perf_counter() - tic)
+            restore()
         print(best, flush=True)
 
 
@@ -161,6 +166,8 @@ def main() -> None:
         parser.error("give the two sides to compare: two checkouts' folders, or one and llama.cpp")
     if not jobs:
         parser.error("nothing to time: give --forward, --prefill or --matrix")
+    if args.matrix and "llama.cpp" in (args.before, args.after):
+        parser.error("llama.cpp times forwards and prefill only: drop --matrix, or compare two checkouts")
     sides = {"before": start(args.before, args), "after": start(args.after, args)}
     times = {(side, job): [] for side in sides for job in jobs}
     for round_ in range(args.rounds):
