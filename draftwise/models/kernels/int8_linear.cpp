@@ -24,15 +24,19 @@
 // layout with a fifth bit per value). Each super-block has one float
 // scale d and small integer scales per 32 (Q4_K, Q5_K) or 16 (Q6_K) columns, so with activations
 // rounded per 256 columns (one scale dx) a super-block's whole dot product is one exact integer
-// I = sum of sub-scale * (u . q), computed 64 columns at a time by a byte multiply into int16
-// pairs and an int16 multiply-add by the sub-scales into int32 lanes. Then, per super-block b,
-// in a 16-lane float accumulator,
-//   acc += float(I_b) * (d_b * dx_b);  acc += w.coef_b * x.sum_b   (16 columns a lane: Q4_K's
-//                                                                    and Q5_K's mins, Q6_K's -32)
-// and dot(w, round8(x)) = the horizontal sum of acc. Two float multiply-adds per 256 columns;
-// what is left per row of x is two integer multiplies per 64 weights.
+// I = sum of sub-scale * (u . q), computed 32 or 64 columns at a time by a byte multiply into
+// int16 pairs and an int16 multiply-add by the sub-scales into int32 lanes, kept as 8 lanes
+// (lane i: columns 4i .. 4i + 3 of each 32). Then, per super-block b, in an 8-lane float
+// accumulator,
+//   acc += float(I_b) * (d_b * dx_b);  acc += w.coef_b * x.sum_b   (8 coefficients at a time)
+// where a coefficient stands for a group of columns (a Q4_K or Q5_K sub-block's 32: -dmin * its
+// min; a Q6_K sub-block's 16: -32 d * its scale) and x.sum for dx * the sum of q over the same
+// group, and dot(w, round8(x)) = the horizontal sum of acc. Two float multiply-adds per 256
+// columns (three for Q6_K); what is left per row of x is two integer multiplies per 64 weights.
+// (Before 2026-11-29 the accumulator had 16 lanes and the coefficients one per 16 columns, Q4_K's
+// min twice: four multiply-adds a super-block and row pair, ~40% of AVX2's prefill tile.)
 //
-// Batch invariance: y[m, n] is that arithmetic in that order (16-lane float accumulator in
+// Batch invariance: y[m, n] is that arithmetic in that order (16- or 8-lane float accumulator in
 // column order, one fixed horizontal sum, then the coefficient sum), whatever the number of
 // rows of x and however threads split the work. The integer parts are exact, so every
 // instruction set below (AVX-512 VNNI, AVX-512BW, portable C++) computes the same integers.
@@ -64,6 +68,9 @@ inline bool is_kquant(int64_t format) { return format == Q4_K || format == Q5_K 
 inline constexpr int64_t nibbles_at(int64_t format) { return format == Q5_K ? 48 : 16; }
 
 inline int64_t padded(int64_t K) { return (K + CHUNK - 1) / CHUNK * CHUNK; }
+// Columns that share one coefficient (see the top of the file): a Q4_K or Q5_K sub-block's
+// min, a Q6_K sub-block's offset (-32 times its scale), half a 32-weight block's offset.
+inline constexpr int64_t coefficient_group(int64_t format) { return format == Q4_K || format == Q5_K ? 32 : 16; }
 
 // 16 bytes -> their low nibbles into low[0..15], their high nibbles into high[0..15].
 inline void nibbles(const uint8_t* in, uint8_t* low, uint8_t* high) {
@@ -111,11 +118,13 @@ inline void fill(T* out, int count, T value) {
 // ---- activations ----------------------------------------------------------------------------
 
 // One row of K activations -> q [K] int8 = round(x / d) per block of `block` columns
-// (d = amax / 127), d per block into scale [K / block], d * (sum of q) per 16 columns into
-// sum [K/16].
-void round_row(const float* x, int64_t K, int64_t block, int8_t* q, float* scale, float* sum) {
+// (d = amax / 127), d per block into scale [K / block], d * (sum of q) per `group` columns (16,
+// or 32: Q4_K's and Q5_K's sub-blocks) into sum [K / group], and where q_sum is given the sums
+// of q themselves there too (Q6_K's).
+void round_row(const float* x, int64_t K, int64_t block, int64_t group, int8_t* q, float* scale, float* sum,
+               int16_t* q_sum) {
   const v16 limit = v16{} + 127.0f;
-  for (int64_t b = 0; b < K / block; ++b, x += block, q += block, sum += block / 16) {
+  for (int64_t b = 0; b < K / block; ++b, x += block, q += block, sum += block / group) {
     v16 amax = {};
     for (int64_t k = 0; k < block; k += 16) {
       const v16 v = load16(x + k);
@@ -126,6 +135,7 @@ void round_row(const float* x, int64_t K, int64_t block, int8_t* q, float* scale
     for (int i = 0; i < 16; ++i) top = std::max(top, amax[i]);
     const float d = top / 127.0f, inverse = top > 0.0f ? 127.0f / top : 0.0f;
     scale[b] = d;
+    int total = 0;
     for (int64_t k = 0; k < block; k += 16) {
       // x / d rounded to float32, then to the nearest integer (ties to even): no fused
       // multiply-add here, so the rounding is that of the float32 quotient (what numpy or torch
@@ -136,12 +146,15 @@ void round_row(const float* x, int64_t K, int64_t block, int8_t* q, float* scale
       r = select(r > limit, limit, r);
       r = select(r < -limit, -limit, r);
       const vi16 values = convert<vi16>(r);
-      int total = 0;
       for (int i = 0; i < 16; ++i) {
         q[k + i] = int8_t(values[i]);
         total += values[i];
       }
-      sum[k / 16] = d * float(total);
+      if ((k + 16) % group == 0) {
+        sum[k / group] = d * float(total);
+        if (q_sum != nullptr) q_sum[b * (block / group) + k / group] = int16_t(total);
+        total = 0;
+      }
     }
   }
 }
@@ -149,17 +162,20 @@ void round_row(const float* x, int64_t K, int64_t block, int8_t* q, float* scale
 struct Activations {  // M rounded rows of Kp columns
   std::vector<int8_t> q;
   std::vector<float> scale;  // per block (K-quants) or per 4 columns (32-weight blocks)
-  std::vector<float> sum;    // per 16 columns
+  std::vector<float> sum;    // per group of columns (coefficient_group), Kp / 16 a row
+  std::vector<int16_t> q_sum;  // Q6_K: the sums of q per 16 columns, K / 16 a row
 };
 
 // Every row of x rounded once; zeros pad K up to Kp (they add exact zeros).
-Activations round_rows(const float* x, int64_t M, int64_t K, int64_t Kp, int64_t block) {
+Activations round_rows(const float* x, int64_t M, int64_t K, int64_t Kp, int64_t format) {
+  const int64_t block = layout(format).weights, group = coefficient_group(format);
   Activations a{std::vector<int8_t>(M * Kp, 0), std::vector<float>(M * Kp / 4, 0.0f),
-                std::vector<float>(M * Kp / 16, 0.0f)};
+                std::vector<float>(M * Kp / 16, 0.0f), std::vector<int16_t>(format == Q6_K ? M * K / 16 : 0)};
   at::parallel_for(0, M, 64, [&](int64_t m0, int64_t m1) {
     std::vector<float> per_block(K / block);
     for (int64_t m = m0; m < m1; ++m) {
-      round_row(x + m * K, K, block, a.q.data() + m * Kp, per_block.data(), a.sum.data() + m * Kp / 16);
+      round_row(x + m * K, K, block, group, a.q.data() + m * Kp, per_block.data(), a.sum.data() + m * Kp / 16,
+                format == Q6_K ? a.q_sum.data() + m * K / 16 : nullptr);
       if (block == SUPER) {
         std::copy(per_block.begin(), per_block.end(), a.scale.data() + m * (Kp / SUPER));
       } else {  // one scale per int32 lane of the 32-weight-block product
@@ -282,11 +298,12 @@ inline void block32_micro(Block32Rows x, Block32Rows w, float* y, int64_t Kp, in
 // ---- 256-weight super-blocks (K-quants) -----------------------------------------------------
 
 // One weight row -> u [K] bytes, sub-scales [K/2] int16 (one per byte pair, the int16 lanes
-// of the product), d [K/256], coef [K/16] (see the top of the file).
+// of the product), d [K/256], and Q4_K's and Q5_K's coef [K/32] or Q6_K's offset [K/16] (see the
+// top of the file).
 void unpack_kquant_row(int64_t format, const uint8_t* row, int64_t K, uint8_t* u, int16_t* sub, float* d,
-                       float* coef) {
+                       float* coef, int16_t* offset) {
   const int64_t block_bytes = layout(format).bytes;
-  for (int64_t b = 0; b < K / SUPER; ++b, u += SUPER, sub += SUPER / 2, coef += SUPER / 16) {
+  for (int64_t b = 0; b < K / SUPER; ++b, u += SUPER, sub += SUPER / 2, coef += 8, offset += 16) {
     if (format == Q4_K || format == Q5_K) {
       const float dmin = half_to_float(row + 2);
       d[b] = half_to_float(row);
@@ -305,7 +322,7 @@ void unpack_kquant_row(int64_t format, const uint8_t* row, int64_t K, uint8_t* u
       q4k_scales(sc, scales);
       for (int j = 0; j < 8; ++j) {
         fill<int16_t>(sub + 16 * j, 16, int16_t(scales[j]));
-        fill(coef + 2 * j, 2, -dmin * float(scales[8 + j]));
+        coef[j] = -dmin * float(scales[8 + j]);
       }
       row += block_bytes;
     } else {  // Q6_K
@@ -315,7 +332,7 @@ void unpack_kquant_row(int64_t format, const uint8_t* row, int64_t K, uint8_t* u
       six_bits(row + 64, row + 160, u + 128);
       for (int g = 0; g < 16; ++g) {
         fill<int16_t>(sub + 8 * g, 8, int16_t(sc[g]));
-        coef[g] = -32.0f * d[b] * float(sc[g]);
+        offset[g] = int16_t(32 * sc[g]);
       }
       row += block_bytes;
     }
@@ -356,98 +373,129 @@ inline vi16 scaled_dot(vi16 acc, const uint8_t* u, const int8_t* q, const int16_
   return acc;
 }
 
-// One super-block's contribution to a row's 16-lane accumulator, in the one order every K-quant
-// kernel uses (decode, verify, prefill): the exact integer lanes times d * dx, then the
-// coefficients (w.coef, per 16 columns) times the activation sums (x.sum, per 16 columns).
-inline v16 super_block_step(v16 acc, vi16 total, float scale, v16 coef, v16 sum) {
-  acc = fmadd(convert<v16>(total), scale, acc);
-  return fmadd(coef, sum, acc);
+inline v8 load8(const float* p) {
+  v8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// Q6_K's values are u - 32: the -32 times the sub-scales, exactly, as 8 int32 lanes to take off
+// a super-block's integer sum (lane i: groups 2i and 2i + 1 of 16 columns): offset holds 32 x
+// the 16 sub-scales, q_sum the sums of q over the same columns (|lane| < 2^25).
+inline vi8 offset_lanes(const int16_t* offset, const int16_t* q_sum) {
+#if defined(__AVX2__)
+  return vi8(_mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(offset)),
+                               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q_sum))));
+#else
+  vi8 out;
+  for (int i = 0; i < 8; ++i)
+    out[i] = int32_t(offset[2 * i]) * q_sum[2 * i] + int32_t(offset[2 * i + 1]) * q_sum[2 * i + 1];
+  return out;
+#endif
+}
+
+// One super-block's contribution to a row's 8-lane float accumulator, in the one order every
+// K-quant kernel uses (decode, verify, prefill): the exact integer lanes (Q6_K's offset taken
+// off) times d * dx, then, for Q4_K and Q5_K, the 8 sub-blocks' coefficients (-dmin * min) times
+// the activation sums of their 32 columns.
+inline v8 super_block_step(v8 acc, vi8 total, float scale, const float* coef, const float* sum) {
+  acc = fmadd(__builtin_convertvector(total, v8), broadcast8(scale), acc);
+  if (coef != nullptr) acc = fmadd(load8(coef), load8(sum), acc);
+  return acc;
+}
+
+// A 64-column chunk's 16 int32 lanes -> the 8 of super_block_step: lane i + lane i + 8, so lane
+// i holds columns 4i .. 4i + 3 of each 32 (integers: exact in any order).
+inline vi8 fold(vi16 total) {
+#if defined(DRAFTWISE_V16_PAIR)
+  return total.lo + total.hi;
+#else
+  return __builtin_shufflevector(total, total, 0, 1, 2, 3, 4, 5, 6, 7) +
+         __builtin_shufflevector(total, total, 8, 9, 10, 11, 12, 13, 14, 15);
+#endif
 }
 
 struct KquantRows {  // unpacked weight rows
   const uint8_t* u;
   const int16_t* sub;
   const float* d;
-  const float* coef;
+  const float* coef;       // Q4_K, Q5_K: K / 32 a row (K / 16 apart); else nullptr
+  const int16_t* offset;   // Q6_K: K / 16 a row; else nullptr
 };
 struct RoundedRows {  // activation rows rounded per super-block
   const int8_t* q;
   const float* d;
-  const float* sum;
+  const float* sum;        // K / 16 apart, the first K / coefficient_group used
+  const int16_t* q_sum;    // Q6_K: K / 16 a row; else nullptr
 };
 
+// A super-block's integer lanes for rows i of x and j of w, Q6_K's offset taken off.
+inline vi8 offset_taken(vi8 total, KquantRows w, RoundedRows x, int i, int j, int64_t b, int64_t K) {
+  if (w.offset == nullptr) return total;
+  return total - offset_lanes(w.offset + j * (K / 16) + b * 16, x.q_sum + i * (K / 16) + b * 16);
+}
+
 #if defined(DRAFTWISE_V16_PAIR)
-// AVX2's prefill tile: 6 rows of x against 2 weight rows. Each 64-column chunk's two halves (its
-// int32 lanes 0-7 and 8-15) are summed over a super-block one after the other, so a pair of x
-// and weight rows holds one 256-bit integer sum at a time, not two: 12 sums, a weight register
-// and its sub-scales fit AVX2's 16 registers. (Both halves at once, as kquant_micro below does
-// with 512-bit registers, 4 x 2 pairs needed 16 registers for the sums alone and every step
-// spilled: 20-36 GMAC/s a core against 42-57 this way in a standalone loop on Zen 3; in
-// benchmarks/forward_cost.py a 512-token int8 prefill of Qwen2.5-Coder-1.5B went from 31-33 to
-// 38-40 tok/s.) The same integers lane for lane (exact, in any order) and, lane for lane, the
-// float steps of super_block_step, so the bits are those of the other kernels. What is left:
-// the float steps (16 lanes a pair every 256 columns, accumulators in memory) take ~40% of
-// this kernel's time (perf), against the integer steps' ~55%.
+// AVX2's prefill tile: 6 rows of x against 2 weight rows, each pair's integer sum one 256-bit
+// register (a super-block's 32-column pieces added into it: columns 4i .. 4i + 3 of each in
+// lane i, as fold gives the other kernels'), so 12 sums, a weight register and its sub-scales
+// fit AVX2's 16 registers. The same integers lane for lane (exact, in any order) and the float
+// steps of super_block_step, so the bits are those of the other kernels.
+// (Before 2026-11-29 the sums were 16 lanes, two registers a pair, summed one half after the
+// other, and a super-block's float steps were four multiply-adds a pair with the coefficients
+// in them: ~40% of this kernel's time (perf), now one.)
 template <int NUM_X, int NUM_W>
 inline void kquant_micro(RoundedRows x, KquantRows w, float* y, int64_t K, int64_t N) {
   const int64_t blocks = K / SUPER;
-  v8 acc[NUM_X][NUM_W][2] = {};
+  v8 acc[NUM_X][NUM_W] = {};
   for (int64_t b = 0; b < blocks; ++b) {
-    float scale[NUM_X][NUM_W];  // d * dx, once for both halves
+    __m256i total[NUM_X][NUM_W];
 #pragma GCC unroll 16
     for (int i = 0; i < NUM_X; ++i)
 #pragma GCC unroll 16
-      for (int j = 0; j < NUM_W; ++j) scale[i][j] = w.d[j * blocks + b] * x.d[i * blocks + b];
-#pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h) {
-      __m256i total[NUM_X][NUM_W];
+      for (int j = 0; j < NUM_W; ++j) total[i][j] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int piece = 0; piece < SUPER / 32; ++piece) {
+      const int64_t k = b * SUPER + 32 * piece;
 #pragma GCC unroll 16
-      for (int i = 0; i < NUM_X; ++i)
+      for (int j = 0; j < NUM_W; ++j) {
+        const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.u + j * K + k));
+        const __m256i sub = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.sub + j * (K / 2) + k / 2));
 #pragma GCC unroll 16
-        for (int j = 0; j < NUM_W; ++j) total[i][j] = _mm256_setzero_si256();
-#pragma GCC unroll 4
-      for (int c = 0; c < SUPER / CHUNK; ++c) {
-        const int64_t k = b * SUPER + c * CHUNK + 32 * h;
-#pragma GCC unroll 16
-        for (int j = 0; j < NUM_W; ++j) {
-          const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.u + j * K + k));
-          const __m256i sub = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.sub + j * (K / 2) + k / 2));
-#pragma GCC unroll 16
-          for (int i = 0; i < NUM_X; ++i) {
-            const __m256i pairs = _mm256_maddubs_epi16(u, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + i * K + k)));
-            total[i][j] = _mm256_add_epi32(total[i][j], _mm256_madd_epi16(pairs, sub));
-          }
-          // x's rows are read again for the next weight row, from L1, as a multiply's operand:
-          // kept from one weight row to the next instead, they took 6 registers and the sums spilled.
-          asm volatile("" ::: "memory");
+        for (int i = 0; i < NUM_X; ++i) {
+          const __m256i pairs = _mm256_maddubs_epi16(u, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + i * K + k)));
+          total[i][j] = _mm256_add_epi32(total[i][j], _mm256_madd_epi16(pairs, sub));
         }
-        // Keep the sums in registers chunk by chunk: left free, GCC regrouped the additions
-        // (integers: any order is exact) into products parked on the stack.
-#pragma GCC unroll 16
-        for (int i = 0; i < NUM_X; ++i)
-#pragma GCC unroll 16
-          for (int j = 0; j < NUM_W; ++j) asm("" : "+x"(total[i][j]));
+        // x's rows are read again for the next weight row, from L1, as a multiply's operand:
+        // kept from one weight row to the next instead, they took 6 registers and the sums spilled.
+        asm volatile("" ::: "memory");
       }
+      // Keep the sums in registers piece by piece: left free, GCC regrouped the additions
+      // (integers: any order is exact) into products parked on the stack.
 #pragma GCC unroll 16
       for (int i = 0; i < NUM_X; ++i)
 #pragma GCC unroll 16
-        for (int j = 0; j < NUM_W; ++j) {
-          v8 a = fmadd(__builtin_convertvector(vi8(total[i][j]), v8), v8(_mm256_broadcast_ss(&scale[i][j])), acc[i][j][h]);
-          acc[i][j][h] = fmadd(v8(_mm256_loadu_ps(w.coef + j * (K / 16) + b * 16 + 8 * h)),
-                               v8(_mm256_loadu_ps(x.sum + i * (K / 16) + b * 16 + 8 * h)), a);
-        }
+        for (int j = 0; j < NUM_W; ++j) asm("" : "+x"(total[i][j]));
     }
+#pragma GCC unroll 16
+    for (int i = 0; i < NUM_X; ++i)
+#pragma GCC unroll 16
+      for (int j = 0; j < NUM_W; ++j)
+        acc[i][j] = super_block_step(acc[i][j], offset_taken(vi8(total[i][j]), w, x, i, j, b, K),
+                                     w.d[j * blocks + b] * x.d[i * blocks + b],
+                                     w.coef == nullptr ? nullptr : w.coef + j * (K / 16) + b * 8, x.sum + i * (K / 16) + b * 8);
   }
 #pragma GCC unroll 16
   for (int i = 0; i < NUM_X; ++i)
 #pragma GCC unroll 16
-    for (int j = 0; j < NUM_W; ++j) y[i * N + j] = horizontal_sum(v16{acc[i][j][0], acc[i][j][1]});
+    for (int j = 0; j < NUM_W; ++j)
+      y[i * N + j] = horizontal_sum(acc[i][j]);
 }
 #else
 template <int NUM_X, int NUM_W>
 inline void kquant_micro(RoundedRows x, KquantRows w, float* y, int64_t K, int64_t N) {
   const int64_t blocks = K / SUPER;
-  v16 acc[NUM_X][NUM_W] = {};
+  v8 acc[NUM_X][NUM_W] = {};
   for (int64_t b = 0; b < blocks; ++b) {
     vi16 total[NUM_X][NUM_W] = {};
     for (int64_t k = b * SUPER; k < (b + 1) * SUPER; k += CHUNK) {
@@ -460,15 +508,16 @@ inline void kquant_micro(RoundedRows x, KquantRows w, float* y, int64_t K, int64
 #pragma GCC unroll 16
     for (int i = 0; i < NUM_X; ++i)
 #pragma GCC unroll 16
-      for (int j = 0; j < NUM_W; ++j) {
-        acc[i][j] = super_block_step(acc[i][j], total[i][j], w.d[j * blocks + b] * x.d[i * blocks + b],
-                                     load16(w.coef + j * (K / 16) + b * 16), load16(x.sum + i * (K / 16) + b * 16));
-      }
+      for (int j = 0; j < NUM_W; ++j)
+        acc[i][j] = super_block_step(acc[i][j], offset_taken(fold(total[i][j]), w, x, i, j, b, K),
+                                     w.d[j * blocks + b] * x.d[i * blocks + b],
+                                     w.coef == nullptr ? nullptr : w.coef + j * (K / 16) + b * 8, x.sum + i * (K / 16) + b * 8);
   }
 #pragma GCC unroll 16
   for (int i = 0; i < NUM_X; ++i)
 #pragma GCC unroll 16
-    for (int j = 0; j < NUM_W; ++j) y[i * N + j] = horizontal_sum(acc[i][j]);
+    for (int j = 0; j < NUM_W; ++j)
+      y[i * N + j] = horizontal_sum(acc[i][j]);
 }
 
 #endif
@@ -501,27 +550,32 @@ inline void kquant_decode(RoundedRows x, const float* x_d, const uint8_t* row, f
   const __m512i q4_pick[4] = {pick_words(0, 0, 1, 1), pick_words(2, 2, 3, 3), pick_words(4, 4, 5, 5),
                               pick_words(6, 6, 7, 7)};
   const __m512i q6_pick[2] = {pick_words(0, 1, 2, 3), pick_words(4, 5, 6, 7)};
-  v16 acc[NUM_X] = {};
+  v8 acc[NUM_X] = {};
+  alignas(32) float coef[8];       // the super-block's coefficients (Q4_K, Q5_K)
+  alignas(32) int16_t offset[16];  // or its offsets (Q6_K)
+  const auto step = [&](v8 acc, vi8 total, float scale, int i, int64_t b) {
+    if constexpr (FORMAT == Q6_K) {
+      return super_block_step(acc, total - offset_lanes(offset, x.q_sum + i * (K / 16) + b * 16), scale, nullptr, nullptr);
+    } else {
+      return super_block_step(acc, total, scale, coef, x.sum + i * (K / 16) + b * 8);
+    }
+  };
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* block = row + b * block_bytes;
     __m512i table[2];  // int16 sub-scales, 8 to a 128-bit lane, broadcast to every lane
     float d;
-    v16 coef;
     if constexpr (FORMAT == Q4_K || FORMAT == Q5_K) {
       d = half_to_float(block);
       const __m128i packed = q4k_scales_register(block + 4);
       table[0] = table[1] = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(packed));
-      const __m128i mins = _mm_unpackhi_epi8(packed, packed);  // each min twice: one per 16 columns
-      const __m512 m = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mins));
-      const __m512 c = _mm512_mul_ps(_mm512_set1_ps(-half_to_float(block + 2)), m);
-      std::memcpy(&coef, &c, sizeof coef);
+      const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8)));  // the 8 mins
+      _mm256_storeu_ps(coef, _mm256_mul_ps(_mm256_set1_ps(-half_to_float(block + 2)), m));
     } else {
       d = half_to_float(block + 208);
       const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192));
       table[0] = _mm512_broadcast_i32x4(_mm_cvtepi8_epi16(packed));
       table[1] = _mm512_broadcast_i32x4(_mm_cvtepi8_epi16(_mm_srli_si128(packed, 8)));
-      const __m512 c = _mm512_mul_ps(_mm512_set1_ps(-32.0f * d), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(packed)));
-      std::memcpy(&coef, &c, sizeof coef);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(offset), _mm256_slli_epi16(_mm256_cvtepi8_epi16(packed), 5));
     }
     alignas(64) float scale[16];
     store16(scale, load16(x_d + b * 16) * d);
@@ -563,8 +617,7 @@ inline void kquant_decode(RoundedRows x, const float* x_d, const uint8_t* row, f
       }
     }
 #pragma GCC unroll 16
-    for (int i = 0; i < NUM_X; ++i)
-      acc[i] = super_block_step(acc[i], total[i], scale[i], coef, load16(x.sum + i * (K / 16) + b * 16));
+    for (int i = 0; i < NUM_X; ++i) acc[i] = step(acc[i], fold(total[i]), scale[i], i, b);
   }
 #pragma GCC unroll 16
   for (int i = 0; i < NUM_X; ++i) y[i * N] = horizontal_sum(acc[i]);
@@ -596,32 +649,36 @@ inline void kquant_decode(RoundedRows x, const float* x_d, const uint8_t* row, f
   alignas(32) static const __m256i q4_pick[8] = {pick_words(0, 0), pick_words(1, 1), pick_words(2, 2), pick_words(3, 3),
                                                  pick_words(4, 4), pick_words(5, 5), pick_words(6, 6), pick_words(7, 7)};
   alignas(32) static const __m256i q6_pick[4] = {pick_words(0, 1), pick_words(2, 3), pick_words(4, 5), pick_words(6, 7)};
-  v16 acc[NUM_X] = {};
+  v8 acc[NUM_X] = {};
+  alignas(32) float coef[8];       // the super-block's coefficients (Q4_K, Q5_K)
+  alignas(32) int16_t offset[16];  // or its offsets (Q6_K)
+  const auto step = [&](v8 acc, vi8 total, float scale, int i, int64_t b) {
+    if constexpr (FORMAT == Q6_K) {
+      return super_block_step(acc, total - offset_lanes(offset, x.q_sum + i * (K / 16) + b * 16), scale, nullptr, nullptr);
+    } else {
+      return super_block_step(acc, total, scale, coef, x.sum + i * (K / 16) + b * 8);
+    }
+  };
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* block = row + b * block_bytes;
     __m256i sub[8];  // the int16 sub-scales of columns 32 h .. 32 h + 31
     float d;
-    v16 coef;
     if constexpr (FORMAT == Q4_K || FORMAT == Q5_K) {
       d = half_to_float(block);
       const __m128i packed = q4k_scales_register(block + 4);  // 8 scales, then 8 mins
       const __m256i table = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(packed));
       for (int h = 0; h < 8; ++h) sub[h] = _mm256_shuffle_epi8(table, q4_pick[h]);
-      const __m128i mins = _mm_unpackhi_epi8(packed, packed);  // each min twice: one per 16 columns
-      const __m256 minus_dmin = _mm256_set1_ps(-half_to_float(block + 2));
-      coef = join(_mm256_mul_ps(minus_dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mins))),
-                  _mm256_mul_ps(minus_dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(mins, 8)))));
+      const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8)));
+      _mm256_storeu_ps(coef, _mm256_mul_ps(_mm256_set1_ps(-half_to_float(block + 2)), mins));
     } else {
       d = half_to_float(block + 208);
       const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192));  // 16 int8 scales
       const __m256i tables[2] = {_mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(packed)),
                                  _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_srli_si128(packed, 8)))};
       for (int h = 0; h < 8; ++h) sub[h] = _mm256_shuffle_epi8(tables[h / 4], q6_pick[h % 4]);
-      const __m256 minus_32d = _mm256_set1_ps(-32.0f * d);
-      coef = join(_mm256_mul_ps(minus_32d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(packed))),
-                  _mm256_mul_ps(minus_32d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(packed, 8)))));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(offset), _mm256_slli_epi16(_mm256_cvtepi8_epi16(packed), 5));
     }
-    vi16 total[NUM_X] = {};
+    vi8 total[NUM_X] = {};
 #pragma GCC unroll 4
     for (int chunk = 0; chunk < 4; ++chunk) {
       __m256i u[2];  // the chunk's columns 0-31 and 32-63
@@ -648,12 +705,11 @@ inline void kquant_decode(RoundedRows x, const float* x_d, const uint8_t* row, f
         const int8_t* q = x.q + i * K + b * SUPER + chunk * CHUNK;
         const __m256i first = _mm256_madd_epi16(_mm256_maddubs_epi16(u[0], load(q)), sub[2 * chunk]);
         const __m256i second = _mm256_madd_epi16(_mm256_maddubs_epi16(u[1], load(q + 32)), sub[2 * chunk + 1]);
-        total[i] = total[i] + join(first, second);
+        total[i] += vi8(first) + vi8(second);
       }
     }
 #pragma GCC unroll 16
-    for (int i = 0; i < NUM_X; ++i)
-      acc[i] = super_block_step(acc[i], total[i], x_d[b * 16 + i] * d, coef, load16(x.sum + i * (K / 16) + b * 16));
+    for (int i = 0; i < NUM_X; ++i) acc[i] = step(acc[i], total[i], x_d[b * 16 + i] * d, i, b);
   }
 #pragma GCC unroll 16
   for (int i = 0; i < NUM_X; ++i) y[i * N] = horizontal_sum(acc[i]);
@@ -947,7 +1003,8 @@ void fused_product(const Activations& a, int64_t format, const uint8_t* w, int64
     for (int64_t n = n0; n < n1; ++n) {
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t m = first_row(g);
-        const RoundedRows xm{a.q.data() + m * K, a.scale.data() + m * blocks, a.sum.data() + m * K / 16};
+        const RoundedRows xm{a.q.data() + m * K, a.scale.data() + m * blocks, a.sum.data() + m * K / 16,
+                             format == Q6_K ? a.q_sum.data() + m * K / 16 : nullptr};
         fused_rows(first_row(g + 1) - m, xm, x_d.data() + g * blocks * 16, format, w + n * row_bytes,
                    out + m * N + n, K, N);
       }
@@ -961,13 +1018,12 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, int64_t fo
   TORCH_CHECK(is_block_format(format), "int8_linear: weight format ", format,
               " has no int8 path (float formats run blocked_linear)");
   check_weight(weight, format, K);
-  const int64_t block = layout(format).weights;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "int8_linear: x must be contiguous float32 [M, ", K, "]");
   const int64_t M = x.size(0), N = weight.size(0), Kp = is_kquant(format) ? K : padded(K), row_bytes = weight.size(1);
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
-  const Activations a = round_rows(x.data_ptr<float>(), M, K, Kp, block);
+  const Activations a = round_rows(x.data_ptr<float>(), M, K, Kp, format);
 
   if (FUSED && is_kquant(format) && M <= FUSED_MAX_ROWS) {
     fused_product(a, format, weight.data_ptr<uint8_t>(), weight.size(1), y.data_ptr<float>(), M, K, N);
@@ -990,7 +1046,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, int64_t fo
   at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
     uint8_t* u = thread_scratch<uint8_t>(rows_per_item * Kp);
     float* floats = thread_scratch<float>(rows_per_item * (Kp / 4 + Kp / 16));  // scale | coef, or d | coef
-    int16_t* sub = thread_scratch<int16_t>(is_kquant(format) ? rows_per_item * Kp / 2 : 0);
+    int16_t* sub = thread_scratch<int16_t>(is_kquant(format) ? rows_per_item * (Kp / 2 + Kp / 16) : 0);
+    int16_t* offset = is_kquant(format) ? sub + rows_per_item * Kp / 2 : nullptr;  // Q6_K's
     float* scale = floats;
     float* coef = floats + rows_per_item * Kp / 4;
     for (int64_t item = i0; item < i1; ++item) {
@@ -999,7 +1056,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, int64_t fo
       for (int64_t r = 0; r < rows; ++r) {
         const uint8_t* row = w + (n0 + r) * row_bytes;
         if (is_kquant(format)) {
-          unpack_kquant_row(format, row, K, u + r * K, sub + r * K / 2, scale + r * (K / SUPER), coef + r * K / 16);
+          unpack_kquant_row(format, row, K, u + r * K, sub + r * K / 2, scale + r * (K / SUPER), coef + r * K / 16,
+                            offset + r * K / 16);
         } else {
           std::fill(u + r * Kp + K, u + (r + 1) * Kp, 0);
           std::fill(scale + r * Kp / 4 + K / 4, scale + (r + 1) * Kp / 4, 0.0f);
@@ -1011,8 +1069,11 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, int64_t fo
         const auto run_rows = [&](auto num_w, int64_t r0) {
           if (is_kquant(format)) {
             every_x<KQUANT_ROWS_OF_X>(m_begin, m_end, [&](auto num_x, int64_t m) {
-              const KquantRows wr{u + r0 * K, sub + r0 * K / 2, scale + r0 * (K / SUPER), coef + r0 * K / 16};
-              const RoundedRows xr{a.q.data() + m * K, a.scale.data() + m * (K / SUPER), a.sum.data() + m * K / 16};
+              const KquantRows wr{u + r0 * K, sub + r0 * K / 2, scale + r0 * (K / SUPER),
+                                  format == Q6_K ? nullptr : coef + r0 * K / 16,
+                                  format == Q6_K ? offset + r0 * K / 16 : nullptr};
+              const RoundedRows xr{a.q.data() + m * K, a.scale.data() + m * (K / SUPER), a.sum.data() + m * K / 16,
+                                   format == Q6_K ? a.q_sum.data() + m * K / 16 : nullptr};
               kquant_micro<decltype(num_x)::value, decltype(num_w)::value>(xr, wr, out + m * N + n0 + r0, K, N);
             });
           } else {

@@ -174,6 +174,17 @@ inline v16 in_register(v16 v) {
   return v;
 }
 
+// x in all 8 lanes, exactly (see broadcast16).
+inline v8 broadcast8(const float& x) {
+#if defined(__AVX__)
+  return v8(_mm256_set1_ps(x));
+#else
+  v8 out;
+  for (int i = 0; i < 8; ++i) out[i] = x;
+  return out;
+#endif
+}
+
 // x in all 16 lanes, exactly. On AVX-512 one broadcast from memory (a load, no arithmetic
 // port); `v16{} + x` made GCC add x to zero as a scalar and then shuffle it across the lanes:
 // two more instructions on the ports the multiply-adds need, per key and head in attention.
@@ -257,6 +268,13 @@ inline v16 fmsub(v16 a, float b, float c) { return fmsub(a, broadcast16(b), broa
 template <typename T>
 inline void in_memory(T& values) {
   asm("" : "+m"(values));
+}
+
+// 8 lanes summed in one fixed tree, the last two levels of horizontal_sum(v16)'s:
+// lane i + lane i + 4, then (0 + 2) + (1 + 3).
+inline float horizontal_sum(v8 a) {
+  const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
 #if defined(DRAFTWISE_V16_PAIR)
