@@ -71,12 +71,13 @@ class ServedProcess:
 
 @pytest.fixture(scope="module")
 def server():
-    # --draft-length fixed: every ngram draft is verified, so the tests below that check what
-    # speculation returned (logprobs, accepted tokens) do not depend on this machine's timings.
+    # --draft-length fixed: every ngram draft is verified (up to 4 tokens: a short verify, cheap on
+    # any CPU), so the tests below that check what speculation returned (logprobs, accepted
+    # tokens) do not depend on this machine's timings.
     # Adaptive, on a loaded 2-core AMD EPYC Zen 3 in CI (two test workers beside the server), the
     # policy measured verifies too dear to draft at all and the logprobs test saw 0 accepted tokens.
     served = ServedProcess("--api-key", API_KEY, "--max-batch", "16", "--max-body-bytes", "200000",
-                           "--draft-length", "fixed")
+                           "--draft-length", "fixed", "--num-draft-tokens", "4")
     yield served
     served.close()
 

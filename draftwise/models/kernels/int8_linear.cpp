@@ -435,6 +435,19 @@ inline vi8 offset_taken(vi8 total, KquantRows w, RoundedRows x, int i, int j, in
   return total - offset_lanes(w.offset + j * (K / 16) + b * 16, x.q_sum + i * (K / 16) + b * 16);
 }
 
+// super_block_step in a decode kernel, for row i of x: the super-block's coefficients (Q4_K,
+// Q5_K) or offsets (Q6_K), decoded from the block, as kquant_micro takes them unpacked.
+template <int64_t FORMAT>
+inline v8 decode_step(v8 acc, vi8 total, float scale, const float* coef, const int16_t* offset, RoundedRows x, int i,
+                      int64_t b, int64_t K) {
+  if constexpr (FORMAT == Q6_K) {
+    const vi8 without_offset = total - offset_lanes(offset, x.q_sum + i * (K / 16) + b * 16);
+    return super_block_step(acc, without_offset, scale, nullptr, nullptr);
+  } else {
+    return super_block_step(acc, total, scale, coef, x.sum + i * (K / 16) + b * 8);
+  }
+}
+
 #if defined(DRAFTWISE_V16_PAIR)
 // AVX2's prefill tile: 6 rows of x against 2 weight rows, each pair's integer sum one 256-bit
 // register (a super-block's 32-column pieces added into it: columns 4i .. 4i + 3 of each in
@@ -483,7 +496,8 @@ inline void kquant_micro(RoundedRows x, KquantRows w, float* y, int64_t K, int64
       for (int j = 0; j < NUM_W; ++j)
         acc[i][j] = super_block_step(acc[i][j], offset_taken(vi8(total[i][j]), w, x, i, j, b, K),
                                      w.d[j * blocks + b] * x.d[i * blocks + b],
-                                     w.coef == nullptr ? nullptr : w.coef + j * (K / 16) + b * 8, x.sum + i * (K / 16) + b * 8);
+                                     w.coef == nullptr ? nullptr : w.coef + j * (K / 16) + b * 8,
+                                     x.sum + i * (K / 16) + b * 8);
   }
 #pragma GCC unroll 16
   for (int i = 0; i < NUM_X; ++i)
@@ -511,7 +525,8 @@ inline void kquant_micro(RoundedRows x, KquantRows w, float* y, int64_t K, int64
       for (int j = 0; j < NUM_W; ++j)
         acc[i][j] = super_block_step(acc[i][j], offset_taken(fold(total[i][j]), w, x, i, j, b, K),
                                      w.d[j * blocks + b] * x.d[i * blocks + b],
-                                     w.coef == nullptr ? nullptr : w.coef + j * (K / 16) + b * 8, x.sum + i * (K / 16) + b * 8);
+                                     w.coef == nullptr ? nullptr : w.coef + j * (K / 16) + b * 8,
+                                     x.sum + i * (K / 16) + b * 8);
   }
 #pragma GCC unroll 16
   for (int i = 0; i < NUM_X; ++i)
@@ -553,13 +568,6 @@ inline void kquant_decode(RoundedRows x, const float* x_d, const uint8_t* row, f
   v8 acc[NUM_X] = {};
   alignas(32) float coef[8];       // the super-block's coefficients (Q4_K, Q5_K)
   alignas(32) int16_t offset[16];  // or its offsets (Q6_K)
-  const auto step = [&](v8 acc, vi8 total, float scale, int i, int64_t b) {
-    if constexpr (FORMAT == Q6_K) {
-      return super_block_step(acc, total - offset_lanes(offset, x.q_sum + i * (K / 16) + b * 16), scale, nullptr, nullptr);
-    } else {
-      return super_block_step(acc, total, scale, coef, x.sum + i * (K / 16) + b * 8);
-    }
-  };
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* block = row + b * block_bytes;
     __m512i table[2];  // int16 sub-scales, 8 to a 128-bit lane, broadcast to every lane
@@ -617,7 +625,8 @@ inline void kquant_decode(RoundedRows x, const float* x_d, const uint8_t* row, f
       }
     }
 #pragma GCC unroll 16
-    for (int i = 0; i < NUM_X; ++i) acc[i] = step(acc[i], fold(total[i]), scale[i], i, b);
+    for (int i = 0; i < NUM_X; ++i)
+      acc[i] = decode_step<FORMAT>(acc[i], fold(total[i]), scale[i], coef, offset, x, i, b, K);
   }
 #pragma GCC unroll 16
   for (int i = 0; i < NUM_X; ++i) y[i * N] = horizontal_sum(acc[i]);
@@ -652,13 +661,6 @@ inline void kquant_decode(RoundedRows x, const float* x_d, const uint8_t* row, f
   v8 acc[NUM_X] = {};
   alignas(32) float coef[8];       // the super-block's coefficients (Q4_K, Q5_K)
   alignas(32) int16_t offset[16];  // or its offsets (Q6_K)
-  const auto step = [&](v8 acc, vi8 total, float scale, int i, int64_t b) {
-    if constexpr (FORMAT == Q6_K) {
-      return super_block_step(acc, total - offset_lanes(offset, x.q_sum + i * (K / 16) + b * 16), scale, nullptr, nullptr);
-    } else {
-      return super_block_step(acc, total, scale, coef, x.sum + i * (K / 16) + b * 8);
-    }
-  };
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* block = row + b * block_bytes;
     __m256i sub[8];  // the int16 sub-scales of columns 32 h .. 32 h + 31
@@ -709,7 +711,8 @@ inline void kquant_decode(RoundedRows x, const float* x_d, const uint8_t* row, f
       }
     }
 #pragma GCC unroll 16
-    for (int i = 0; i < NUM_X; ++i) acc[i] = step(acc[i], total[i], x_d[b * 16 + i] * d, i, b);
+    for (int i = 0; i < NUM_X; ++i)
+      acc[i] = decode_step<FORMAT>(acc[i], total[i], x_d[b * 16 + i] * d, coef, offset, x, i, b, K);
   }
 #pragma GCC unroll 16
   for (int i = 0; i < NUM_X; ++i) y[i * N] = horizontal_sum(acc[i]);
