@@ -463,13 +463,46 @@ def test_greedy_verification_takes_its_argmax_from_the_loaded_kernels(kernels, m
 
 
 def test_bad_shapes_are_refused_with_the_reason(kernels):
-    data, num_columns = synthetic_blocks(WeightFormat.Q8_0)
-    with pytest.raises(RuntimeError, match="columns"):
+    data, num_columns = synthetic_blocks(WeightFormat.Q8_0)  # 512 columns: 16 blocks of 34 bytes
+    with pytest.raises(RuntimeError, match=r"blocked_linear: x \[2, 513\] does not have 512 columns"):
         kernels.blocked_linear(torch.randn(2, num_columns + 1), data, int(WeightFormat.Q8_0), num_columns)
-    with pytest.raises(RuntimeError, match="bytes per row"):
+    with pytest.raises(RuntimeError, match="544 bytes per row do not hold 256 weights of format 8"):
         kernels.blocked_linear(torch.randn(2, 256), data, int(WeightFormat.Q8_0), 256)
-    with pytest.raises(RuntimeError, match="not supported"):
+    with pytest.raises(RuntimeError, match="weight format 99 is not supported"):
         kernels.blocked_linear(torch.randn(2, num_columns), data, 99, num_columns)
+
+
+def test_the_kernels_refusals_format_no_number_through_an_ostream():
+    """Every TORCH_CHECK in the kernels passes text alone, its numbers written by message.h's
+    say(): on an H200 machine's CUDA build of PyTorch (2.11+cu130, g++ 13.3) a TORCH_CHECK that
+    formatted an integer itself crashed the process with a segmentation fault instead of raising
+    (the two refusal tests above died with their pytest workers), which no CPU build here shows."""
+    import re
+
+    def arguments(call: str) -> list[str]:
+        call = re.sub(r'"(\\.|[^"\\])*"', '""', call)  # string literals, commas and brackets inside them out of the way
+        parts, depth, current = [], 0, ""
+        for char in call:
+            depth += (char in "([{") - (char in ")]}")
+            if char == "," and depth == 0:
+                parts.append(current.strip())
+                current = ""
+            else:
+                current += char
+        return parts + [current.strip()]
+
+    offenders = []
+    for source in sorted(kernels_module.KERNEL_DIR.glob("*.[ch]*")):
+        text = source.read_text()
+        for match in re.finditer(r"TORCH_CHECK\(", text):
+            end, depth = match.end(), 1
+            while depth:
+                depth += (text[end] == "(") - (text[end] == ")")
+                end += 1
+            message = arguments(text[match.end():end - 1])[1:]
+            if not all(part == '""' or part.startswith("say(") for part in message):
+                offenders.append(f"{source.name}: {text[match.start():end][:120]}")
+    assert not offenders, "pass numbers through say(...), not TORCH_CHECK's own formatting:\n" + "\n".join(offenders)
 
 
 def test_a_failed_build_warns_once_with_the_fix_and_falls_back(monkeypatch):

@@ -31,6 +31,7 @@
 #include "bf16.h"
 #include "formats.h"
 #include "kernels.h"
+#include "message.h"
 #include "tiles.h"
 
 #include <ATen/Parallel.h>
@@ -327,7 +328,7 @@ std::vector<at::Tensor> amx_linears(const at::Tensor& x, const std::vector<at::T
                                     const std::vector<int64_t>& formats, int64_t K) {
   TORCH_CHECK(weights.size() == formats.size() && !weights.empty(), "amx_linears: one format per weight");
   for (size_t i = 0; i < weights.size(); ++i) check_weight(weights[i], formats[i], K);
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "amx_linear: x ", x.sizes(), " does not have ", K, " columns");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, say("amx_linear: x ", x.sizes(), " does not have ", K, " columns"));
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "amx_linear: x must be contiguous float32");
   TORCH_CHECK(tiles_permitted(), "amx_linear: this CPU or kernel gives no AMX tiles; use --activations bf16");
   const int64_t M = x.size(0);

@@ -23,6 +23,7 @@
 #include "bf16.h"
 #include "blocks.h"
 #include "kernels.h"
+#include "message.h"
 #include "tiles.h"
 
 #include <ATen/Parallel.h>
@@ -395,7 +396,7 @@ void round_x_rows(const float* x, int64_t M, int64_t K, int64_t Kp, uint16_t* ou
 
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, int64_t format, int64_t K) {
   check_weight(weight, format, K);
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "bf16_linear: x ", x.sizes(), " does not have ", K, " columns");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, say("bf16_linear: x ", x.sizes(), " does not have ", K, " columns"));
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "bf16_linear: x must be contiguous float32");
   const int64_t M = x.size(0), N = weight.size(0), row_bytes = weight.size(1);
   const int64_t Kp = (K + COLUMNS - 1) / COLUMNS * COLUMNS;

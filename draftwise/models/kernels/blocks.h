@@ -22,6 +22,7 @@
 #include <type_traits>
 
 #include "formats.h"
+#include "message.h"
 
 // Decoders and the loops they feed are one function to the compiler (its inliner otherwise
 // gives up on the larger ones, and the accumulators then live in memory: measured 2x slower).
@@ -512,7 +513,7 @@ inline void with_blocks(int64_t format, Body body) {
     case Q5_K: return body(Blocks<Q5_K>{});
     case Q6_K: return body(Blocks<Q6_K>{});
   }
-  TORCH_CHECK(false, "draftwise kernels: weight format ", format, " is not a block format");
+  TORCH_CHECK(false, say("draftwise kernels: weight format ", format, " is not a block format"));
 }
 
 inline bool is_block_format(int64_t format) {

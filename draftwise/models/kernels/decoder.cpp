@@ -2,6 +2,7 @@
 // same order on the same tensors, so the results are bit-identical to the modules'; what goes
 // away is the Python glue between them (about twenty calls a layer).
 #include "decoder.h"
+#include "message.h"
 
 #include <ATen/ops/add.h>
 
@@ -42,9 +43,9 @@ std::vector<at::Tensor> Decoder::shared_input(const std::vector<const Linear*>& 
 
 Decoder::Decoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps)
     : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps) {
-  TORCH_CHECK(head_dim % 16 == 0, "Decoder: head_dim ", head_dim, " must be a multiple of 16");
-  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "Decoder: ", num_heads,
-              " heads do not group over ", num_kv_heads, " key/value heads");
+  TORCH_CHECK(head_dim % 16 == 0, say("Decoder: head_dim ", head_dim, " must be a multiple of 16"));
+  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, say("Decoder: ", num_heads,
+                  " heads do not group over ", num_kv_heads, " key/value heads"));
 }
 
 void Decoder::add_layer(const at::Tensor& input_norm, const at::Tensor& post_attention_norm,
@@ -77,15 +78,16 @@ std::vector<at::Tensor> Decoder::forward(at::Tensor x, const at::Tensor& cos, co
                       (cache->scalar_type() == at::kFloat || cache->scalar_type() == at::kBFloat16) && cache->size(2) == H_kv &&
                       cache->size(4) == D && cache->stride(4) == 1 && cache->stride(3) == D &&
                       cache->size(0) >= int64_t(layers_.size()),
-                  "Decoder.forward: a cache must be float32 or bfloat16 [layers, 1, ", H_kv, ", capacity, ", D,
-                  "] (keys and values alike) with contiguous rows");
+                  say("Decoder.forward: a cache must be float32 or bfloat16 [layers, 1, ", H_kv, ", capacity, ", D,
+                      "] (keys and values alike) with contiguous rows"));
     TORCH_CHECK(starts[s] >= 0 && starts[s] + num_rows[s] <= keys[s].size(3) && num_rows[s] >= 0 &&
                     first_rows[s] >= 0 && first_rows[s] + num_rows[s] <= N,
-                "Decoder.forward: sequence ", s, "'s rows or cache slots are out of range");
+                say("Decoder.forward: sequence ", s, "'s rows or cache slots are out of range"));
     TORCH_CHECK(masks[s].numel() == 0 || (masks[s].dim() == 2 && masks[s].size(0) == num_rows[s] &&
                                           masks[s].size(1) >= num_rows[s] && masks[s].size(1) <= starts[s] + num_rows[s] &&
                                           masks[s].scalar_type() == at::kBool && masks[s].is_contiguous()),
-                "Decoder.forward: sequence ", s, "'s mask must be a contiguous bool [T, W], T <= W <= start + T, or empty");
+                say("Decoder.forward: sequence ", s,
+                    "'s mask must be a contiguous bool [T, W], T <= W <= start + T, or empty"));
   }
   const double scale = std::pow(double(D), -0.5);  // Python's head_dim ** -0.5
   std::vector<at::Tensor> results(1);

@@ -2,6 +2,7 @@
 // scales, and the check every product runs on its weight bytes (linear.cpp, int8_linear.cpp).
 #pragma once
 
+#include "message.h"
 #include "vec.h"
 
 #include <c10/util/Half.h>
@@ -31,7 +32,7 @@ inline Layout layout(int64_t format) {
     case Q5_K: return {256, 176};
     case Q6_K: return {256, 210};
   }
-  TORCH_CHECK(false, "draftwise kernels: weight format ", format, " is not supported");
+  TORCH_CHECK(false, say("draftwise kernels: weight format ", format, " is not supported"));
 }
 
 // Asks for the bytes of weight row `row`'s columns [k0, k0 + columns) while the tiles round
@@ -81,11 +82,11 @@ inline const float& half_value(const uint8_t* p) {
 // weight: N rows of K weights in format, as a contiguous uint8 tensor [N, bytes per row].
 inline void check_weight(const at::Tensor& weight, int64_t format, int64_t K) {
   const Layout l = layout(format);
-  TORCH_CHECK(K % l.weights == 0, "draftwise kernels: ", K, " columns are not whole blocks of ", l.weights);
+  TORCH_CHECK(K % l.weights == 0, say("draftwise kernels: ", K, " columns are not whole blocks of ", l.weights));
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.is_contiguous(),
               "draftwise kernels: weights must be a contiguous uint8 tensor [rows, bytes per row]");
-  TORCH_CHECK(weight.size(1) == K / l.weights * l.bytes, "draftwise kernels: ", weight.size(1),
-              " bytes per row do not hold ", K, " weights of format ", format);
+  TORCH_CHECK(weight.size(1) == K / l.weights * l.bytes, say("draftwise kernels: ", weight.size(1),
+                  " bytes per row do not hold ", K, " weights of format ", format));
 }
 
 }  // namespace draftwise

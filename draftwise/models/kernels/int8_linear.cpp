@@ -42,6 +42,7 @@
 // instruction set below (AVX-512 VNNI, AVX-512BW, portable C++) computes the same integers.
 #include "blocks.h"
 #include "kernels.h"
+#include "message.h"
 #include "tiles.h"
 
 #include <ATen/Parallel.h>
@@ -1018,11 +1019,11 @@ void fused_product(const Activations& a, int64_t format, const uint8_t* w, int64
 }  // namespace
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, int64_t format, int64_t K) {
-  TORCH_CHECK(is_block_format(format), "int8_linear: weight format ", format,
-              " has no int8 path (float formats run blocked_linear)");
+  TORCH_CHECK(is_block_format(format), say("int8_linear: weight format ", format,
+                  " has no int8 path (float formats run blocked_linear)"));
   check_weight(weight, format, K);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "int8_linear: x must be contiguous float32 [M, ", K, "]");
+              say("int8_linear: x must be contiguous float32 [M, ", K, "]"));
   const int64_t M = x.size(0), N = weight.size(0), Kp = is_kquant(format) ? K : padded(K), row_bytes = weight.size(1);
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;

@@ -20,6 +20,7 @@
 // threads split the work. Dequantisation reproduces the GGUF reference (gguf-py) bit for bit.
 #include "blocks.h"
 #include "kernels.h"
+#include "message.h"
 #include "tiles.h"
 
 
@@ -206,7 +207,7 @@ inline void fused_slice(const float* x, const uint8_t* const* rows, v16* partial
   constexpr int64_t AHEAD_BLOCKS = kDecodesByTurns<B> ? FUSED_X_BYTES / 4 / B::WEIGHTS : 1;
   alignas(64) float scaled[NUM_W][AHEAD_BLOCKS][16];
   if constexpr (kDecodesByTurns<B>) {
-    TORCH_CHECK(columns <= AHEAD_BLOCKS * B::WEIGHTS, "fused_slice: a slice of ", columns, " columns");
+    TORCH_CHECK(columns <= AHEAD_BLOCKS * B::WEIGHTS, say("fused_slice: a slice of ", columns, " columns"));
     for (int j = 0; j < NUM_W; ++j)
       for (int64_t b = 0; b < columns / B::WEIGHTS; ++b) q4k_scaled(rows[j] + b * B::BYTES, scaled[j][b]);
     in_memory(scaled);
@@ -289,7 +290,7 @@ constexpr int64_t PAIR_MIN_ROWS = 5;
 
 void decoded_pairs(const float* x, const uint8_t* w, int64_t format, float* y, int64_t M, int64_t K, int64_t N,
                    int64_t row_bytes) {
-  TORCH_CHECK(M <= 24, "decoded_pairs: ", M, " rows of x; it takes at most 24 (the tiles take more)");
+  TORCH_CHECK(M <= 24, say("decoded_pairs: ", M, " rows of x; it takes at most 24 (the tiles take more)"));
   const Layout blocks = layout(format);
   int64_t group_start[8], group_size[8];  // x rows in groups of 3, then 2s (7 -> 3 + 2 + 2), never 1
   int num_groups = 0;
@@ -532,7 +533,7 @@ inline BlockProduct block_product(int64_t format, int64_t M) {
 
 at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& weight, int64_t format, int64_t K) {
   check_weight(weight, format, K);
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "blocked_linear: x ", x.sizes(), " does not have ", K, " columns");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, say("blocked_linear: x ", x.sizes(), " does not have ", K, " columns"));
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "blocked_linear: x must be contiguous float32");
   const int64_t M = x.size(0), N = weight.size(0);
   auto y = at::empty({M, N}, x.options());
@@ -556,7 +557,7 @@ at::Tensor dequantize_rows(const at::Tensor& weight, int64_t format, int64_t K, 
   const int64_t* id = ids_c.data_ptr<int64_t>();
   const uint8_t* w = weight.data_ptr<uint8_t>();
   for (int64_t t = 0; t < T; ++t) {
-    TORCH_CHECK(0 <= id[t] && id[t] < N, "dequantize_rows: row ", id[t], " out of range 0..", N - 1);
+    TORCH_CHECK(0 <= id[t] && id[t] < N, say("dequantize_rows: row ", id[t], " out of range 0..", N - 1));
     if (format == F32) {
       std::memcpy(out.data_ptr<float>() + t * K, w + id[t] * row_bytes, K * 4);
     } else {

@@ -2,6 +2,7 @@
 // computing a token's row with the same arithmetic however many tokens the forward holds: a
 // prefill chunk, a draft, a tree, or one token.
 #include "kernels.h"
+#include "message.h"
 
 #include <ATen/Parallel.h>
 
@@ -671,9 +672,9 @@ at::Tensor attention(const at::Tensor& queries, const at::Tensor& keys, const at
               keys.stride(1) == keys.size(2) && values.stride(1) == values.size(2),
               "attention: keys and values must be float32 or bfloat16 [H_kv, capacity, D] with contiguous rows");
   const int64_t T = queries.size(0), H = queries.size(1), D = queries.size(2), H_kv = keys.size(0);
-  TORCH_CHECK(keys.size(2) == D && D % 16 == 0, "attention: head_dim ", D, " must match and be a multiple of 16");
-  TORCH_CHECK(H % H_kv == 0, "attention: ", H, " heads do not group over ", H_kv, " key/value heads");
-  TORCH_CHECK(start >= 0 && start + T <= keys.size(1), "attention: slots ", start, "+", T, " exceed the cache");
+  TORCH_CHECK(keys.size(2) == D && D % 16 == 0, say("attention: head_dim ", D, " must match and be a multiple of 16"));
+  TORCH_CHECK(H % H_kv == 0, say("attention: ", H, " heads do not group over ", H_kv, " key/value heads"));
+  TORCH_CHECK(start >= 0 && start + T <= keys.size(1), say("attention: slots ", start, "+", T, " exceed the cache"));
   const bool causal = mask.numel() == 0;
   TORCH_CHECK(causal || (mask.dim() == 2 && mask.size(0) == T && mask.size(1) >= T && mask.size(1) <= start + T &&
                          mask.scalar_type() == at::kBool && mask.is_contiguous()),
