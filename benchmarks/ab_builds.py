@@ -7,19 +7,23 @@ the rounds, and their ratio.
     python benchmarks/ab_builds.py /tmp/before . --model qwen2.5-coder-1.5b --forward 1 2 --rounds 12
     python benchmarks/ab_builds.py /tmp/before . --matrix layers.0.mlp.gate_proj --rows 1 --threads 1
     python benchmarks/ab_builds.py llama.cpp . --activations int8 --forward 1 --prefill 2048 --rounds 2
+    python benchmarks/ab_builds.py /tmp/before . --activations int8 --attention 2048@0 1@2047 --calls 3
 
 A side is a checkout's folder (its draftwise is imported through PYTHONPATH, and builds its own
 kernels on first use) or `llama.cpp` (llama-cpp-python on the model's GGUF file: forwards and
 prefill only). Two builds of the kernels cannot be compared inside one process: glibc's dlopen
 hands back the first draftwise_kernels.so for the second (the same SONAME), so both would be one.
 Forwards follow a 64-token prompt and are rolled back after each; --matrix times one product of
-the first layer's (or the LM head's) weight, as benchmarks/kernel_cost.py names them."""
+the first layer's (or the LM head's) weight, as benchmarks/kernel_cost.py names them; --attention
+T@START times one layer's attention kernel in the model's shape and KV-cache dtype: T new queries
+over START cached slots (causal), random values."""
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -54,11 +58,29 @@ def _draftwise_worker(model_name: str, activations: str) -> Callable[[str, str],
             prompt_cache, tokens = model.new_cache(int(size)), torch.randint(1000, (int(size),))
             return (lambda: model.forward(tokens, torch.arange(int(size)), prompt_cache, num_logits=1),
                     lambda: prompt_cache.truncate(0))
+        if kind == "attention":
+            return _attention_job(model, *(int(n) for n in size.split("@")))
         name, rows = size.rsplit("@", 1)
         linear, x = weights[name], torch.randn(int(rows), weights[name].weight.num_columns)
         return (lambda: linear(x)), (lambda: None)
 
     return run
+
+
+def _attention_job(model, new: int, start: int) -> Job:
+    """One layer's attention kernel: `new` queries after `start` cached slots, the model's heads,
+    head size and cache dtype."""
+    import torch
+
+    from draftwise.models.kernels import native_kernels
+
+    kernels, shape = native_kernels(progress=False), model.shape
+    dtype = model.new_cache(1).keys.dtype
+    queries = torch.randn(new, shape.num_heads, shape.head_dim)
+    keys, values = (torch.randn(shape.num_kv_heads, start + new, shape.head_dim).to(dtype) for _ in range(2))
+    causal = torch.empty(0, dtype=torch.bool)
+    return (lambda: kernels.attention(queries, keys, values, start, causal, shape.head_dim ** -0.5, False)), \
+        (lambda: None)
 
 
 def _llama_cpp_worker(model_name: str, threads: int) -> Callable[[str, str], Job]:
@@ -154,6 +176,8 @@ def main() -> None:
     parser.add_argument("--prefill", nargs="*", type=int, default=[], help="prompt lengths, one forward each")
     parser.add_argument("--matrix", nargs="*", default=[], help="weights by kernel_cost.py's names, e.g. lm_head")
     parser.add_argument("--rows", type=int, default=1, help="rows of x for --matrix")
+    parser.add_argument("--attention", nargs="*", default=[],
+                        help="one layer's attention kernel, NEW@CACHED: e.g. 2048@0 (a prefill), 1@2047 (a decode step)")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--calls", type=int, default=5, help="calls a job a round (its best is the round's)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -161,13 +185,17 @@ def main() -> None:
     if args.worker:
         return worker(args.worker, args.model, args.activations, args.threads)
     jobs = ([f"forward {n}" for n in args.forward] + [f"prefill {n}" for n in args.prefill]
-            + [f"matrix {name}@{args.rows}" for name in args.matrix])
+            + [f"matrix {name}@{args.rows}" for name in args.matrix]
+            + [f"attention {size}" for size in args.attention])
     if not (args.before and args.after):
         parser.error("give the two sides to compare: two checkouts' folders, or one and llama.cpp")
     if not jobs:
-        parser.error("nothing to time: give --forward, --prefill or --matrix")
-    if args.matrix and "llama.cpp" in (args.before, args.after):
-        parser.error("llama.cpp times forwards and prefill only: drop --matrix, or compare two checkouts")
+        parser.error("nothing to time: give --forward, --prefill, --matrix or --attention")
+    if (args.matrix or args.attention) and "llama.cpp" in (args.before, args.after):
+        parser.error("llama.cpp times forwards and prefill only: drop --matrix and --attention, or compare two checkouts")
+    for size in args.attention:
+        if not re.fullmatch(r"[1-9][0-9]*@[0-9]+", size):
+            parser.error(f"--attention {size}: give NEW@CACHED, e.g. 2048@0 or 1@2047")
     sides = {"before": start(args.before, args), "after": start(args.after, args)}
     times = {(side, job): [] for side in sides for job in jobs}
     for round_ in range(args.rounds):
@@ -187,7 +215,8 @@ def main() -> None:
         before, after = times[("before", job)], times[("after", job)]
         b, a = min(before) * 1e3, min(after) * 1e3
         bm, am = statistics.median(before) * 1e3, statistics.median(after) * 1e3
-        print(f"| {job.replace('@', ', rows ')} | {b:.2f} / {bm:.2f} | {a:.2f} / {am:.2f} | {b / a:.3f}x, {bm / am:.3f}x |")
+        label = job.replace("@", " new over ") + " cached" if job.startswith("attention") else job.replace("@", ", rows ")
+        print(f"| {label} | {b:.2f} / {bm:.2f} | {a:.2f} / {am:.2f} | {b / a:.3f}x, {bm / am:.3f}x |")
 
 
 if __name__ == "__main__":

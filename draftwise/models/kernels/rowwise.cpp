@@ -163,6 +163,58 @@ __attribute__((always_inline)) inline float dot(const float* a, const E* b, int6
 // The queries (a group's heads for one position) share every load of the keys.
 // Always inlined: called through attend's lambdas, GCC otherwise makes dot4<3, float> a call per
 // four keys (SmolLM2's prefill over bfloat16 caches: 21% of its time in the call).
+#if defined(DRAFTWISE_V16_PAIR)
+// AVX2: a v16 is two of its 16 registers, so NQ x 4 accumulators (up to 32) spilled to the stack
+// on every multiply-add. dot() of NQ queries with NK keys (b + k0 * D on), the sums in 2 * NQ * NK
+// registers, the same products in the same order as dot(), then horizontal_sum (which
+// horizontal_sums4 is, four times, here).
+template <int NQ, int NK, typename E>
+__attribute__((always_inline)) inline void dot_block(const float* const* a, const E* b, int64_t D, float* const* out,
+                                                     int k0) {
+  v16 acc[NQ][NK];
+#pragma GCC unroll 4
+  for (int r = 0; r < NK; ++r) {
+    const v16 key = load16(b + (k0 + r) * D);
+#pragma GCC unroll 4
+    for (int h = 0; h < NQ; ++h) acc[h][r] = load16(a[h]) * key;
+  }
+  for (int64_t d = 16; d < D; d += 16) {
+    v16 query[NQ];
+#pragma GCC unroll 4
+    for (int h = 0; h < NQ; ++h) query[h] = load16(a[h] + d);
+#pragma GCC unroll 4
+    for (int r = 0; r < NK; ++r) {
+      const v16 key = load16(b + (k0 + r) * D + d);
+#pragma GCC unroll 4
+      for (int h = 0; h < NQ; ++h) acc[h][r] = fmadd(query[h], key, acc[h][r]);
+    }
+  }
+  if constexpr (NQ * NK == 4) {  // the four sums share their instructions
+    const v16& first = acc[0][0];
+    const v16* all = &first;
+    const v4 sums = horizontal_sums4(all[0], all[1], all[2], all[3]);
+#pragma GCC unroll 4
+    for (int s = 0; s < 4; ++s) out[s / NK][k0 + s % NK] = sums[s];
+  } else {
+#pragma GCC unroll 4
+    for (int h = 0; h < NQ; ++h)
+#pragma GCC unroll 4
+      for (int r = 0; r < NK; ++r) out[h][k0 + r] = horizontal_sum(acc[h][r]);
+  }
+}
+
+// Queries in pairs against two keys at a time (8 accumulator registers), a last odd query
+// against all four.
+template <int NQ, typename E>
+__attribute__((always_inline)) inline void dot4(const float* const* a, const E* b, int64_t D, float* const* out) {
+#pragma GCC unroll 2
+  for (int h = 0; h + 2 <= NQ; h += 2) {
+    dot_block<2, 2>(a + h, b, D, out + h, 0);
+    dot_block<2, 2>(a + h, b, D, out + h, 2);
+  }
+  if constexpr (NQ % 2 == 1) dot_block<1, 4>(a + NQ - 1, b, D, out + NQ - 1, 0);
+}
+#else
 template <int NQ, typename E>
 __attribute__((always_inline)) inline void dot4(const float* const* a, const E* b, int64_t D, float* const* out) {
   v16 acc[NQ][4];
@@ -189,11 +241,14 @@ __attribute__((always_inline)) inline void dot4(const float* const* a, const E* 
     std::memcpy(out[h], &sums, sizeof sums);
   }
 }
+#endif
 
 // out[h][0..D) += weights[h][c] * v[0..D) for each key c in order, for NH queries (a group's
 // heads for one position) sharing every load of the values, the sums in registers (D = 16 * N).
-// Each query's sum is the same sequence of multiply-adds whatever NH is.
-template <int N, int NH, typename E>
+// Each query's sum is the same sequence of multiply-adds whatever NH is. PREFETCH: ask for the
+// rows ahead (values read from the cache; a widened tile is in L1 already, where the requests
+// took a fifth of attention's time on the Zen 3).
+template <int N, int NH, bool PREFETCH, typename E>
 inline void weighted_sum(const float* const* weights, const int32_t* keys, int64_t count, const E* V, int64_t D,
                          float* const* out) {
   v16 acc[NH][N];
@@ -201,9 +256,12 @@ inline void weighted_sum(const float* const* weights, const int32_t* keys, int64
   for (int h = 0; h < NH; ++h)
 #pragma GCC unroll 8
     for (int n = 0; n < N; ++n) acc[h][n] = load16(out[h] + 16 * n);
+#if defined(DRAFTWISE_V16_PAIR)
+#pragma GCC unroll 2  // two keys an iteration: the loop's own instructions were as many as its 8 multiply-adds
+#endif
   for (int64_t c = 0; c < count; ++c) {
     const E* v = V + int64_t(keys[c]) * D;
-    if (c + PREFETCH_ROWS < count) prefetch_row(V + int64_t(keys[c + PREFETCH_ROWS]) * D, D);
+    if (PREFETCH && c + PREFETCH_ROWS < count) prefetch_row(V + int64_t(keys[c + PREFETCH_ROWS]) * D, D);
     v16 weight[NH];
 #pragma GCC unroll 4
     for (int h = 0; h < NH; ++h) weight[h] = in_register(broadcast16(weights[h][c]));
@@ -222,13 +280,13 @@ inline void weighted_sum(const float* const* weights, const int32_t* keys, int64
 
 // The weighted sums of heads h0..h0+nh of one position, NH_MAX at a time, the rest together
 // (a group of 3 heads shares its value loads too).
-template <int N, int NH_MAX, typename E>
+template <int N, int NH_MAX, bool PREFETCH, typename E>
 inline void weighted_sums(int64_t nh, const float* const* weights, const int32_t* keys, int64_t count, const E* V,
                           int64_t D, float* const* out) {
   int64_t h = 0;
-  for (; h + NH_MAX <= nh; h += NH_MAX) weighted_sum<N, NH_MAX>(weights + h, keys, count, V, D, out + h);
+  for (; h + NH_MAX <= nh; h += NH_MAX) weighted_sum<N, NH_MAX, PREFETCH>(weights + h, keys, count, V, D, out + h);
   if constexpr (NH_MAX > 1) {
-    if (h < nh) weighted_sums<N, NH_MAX - 1>(nh - h, weights + h, keys, count, V, D, out + h);
+    if (h < nh) weighted_sums<N, NH_MAX - 1, PREFETCH>(nh - h, weights + h, keys, count, V, D, out + h);
   }
 }
 
@@ -590,11 +648,35 @@ void attend(const AttentionSpan& span, int64_t chunks, int64_t item, int64_t H, 
         weights[hh] = scores + (hh * nt + i) * row + c0;
         outs[hh] = acc + (hh * nt + i) * D;
       }
-      if (D == 128) {
-        weighted_sums<8, 2>(group, weights.data(), rows, c1 - c0, values, D, outs.data());
-      } else {
-        weighted_sums<4, 4>(group, weights.data(), rows, c1 - c0, values, D, outs.data());
+#if defined(DRAFTWISE_V16_PAIR)
+      // AVX2: 32 of the D columns at a time, two heads sharing the value loads (8 accumulator
+      // registers; a whole row of 128, two registers a 16, spilled). Each column's sum is the
+      // same multiply-adds in the same key order.
+      static thread_local std::vector<float*> piece_outs;
+      piece_outs.resize(group);
+      for (int64_t piece = 0; piece < D; piece += 32) {
+        for (int64_t hh = 0; hh < group; ++hh) piece_outs[hh] = outs[hh] + piece;
+        if (piece == 0 && !staged) {  // the first piece asks for the whole rows ahead
+          weighted_sums<2, 2, true>(group, weights.data(), rows, c1 - c0, values, D, piece_outs.data());
+        } else {
+          weighted_sums<2, 2, false>(group, weights.data(), rows, c1 - c0, values + piece, D, piece_outs.data());
+        }
       }
+#else
+      if (D == 128) {
+        if (staged) {
+          weighted_sums<8, 2, false>(group, weights.data(), rows, c1 - c0, values, D, outs.data());
+        } else {
+          weighted_sums<8, 2, true>(group, weights.data(), rows, c1 - c0, values, D, outs.data());
+        }
+      } else {
+        if (staged) {
+          weighted_sums<4, 4, false>(group, weights.data(), rows, c1 - c0, values, D, outs.data());
+        } else {
+          weighted_sums<4, 4, true>(group, weights.data(), rows, c1 - c0, values, D, outs.data());
+        }
+      }
+#endif
       return;
     }
     for (int64_t hh = 0; hh < group; ++hh) {  // other head sizes: the same sums, through memory

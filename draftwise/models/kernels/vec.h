@@ -283,9 +283,20 @@ inline float horizontal_sum(v16 v) {
   const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
-// The four sums, each the same tree as horizontal_sum's.
+// The four sums, each the same tree as horizontal_sum's (lo + hi; lane i + lane i + 4; then
+// (0 + 2) + (1 + 3)), four sums sharing the instructions: 15 instead of 4 x 7.
 inline v4 horizontal_sums4(v16 a, v16 b, v16 c, v16 d) {
-  return v4{horizontal_sum(a), horizontal_sum(b), horizontal_sum(c), horizontal_sum(d)};
+  const __m256 sa = __m256(a.lo + a.hi), sb = __m256(b.lo + b.hi), sc = __m256(c.lo + c.hi), sd = __m256(d.lo + d.hi);
+  // [a's lane i + lane i + 4 | b's], [c's | d's]
+  const __m256 ab = _mm256_add_ps(_mm256_permute2f128_ps(sa, sb, 0x20), _mm256_permute2f128_ps(sa, sb, 0x31));
+  const __m256 cd = _mm256_add_ps(_mm256_permute2f128_ps(sc, sd, 0x20), _mm256_permute2f128_ps(sc, sd, 0x31));
+  // per 128-bit half: [a 0 + 2, a 1 + 3, c 0 + 2, c 1 + 3] | the same for b and d
+  const __m256 pairs = _mm256_add_ps(_mm256_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm256_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+  // [a, c, a, c | b, d, b, d]
+  const v8 totals = v8(_mm256_add_ps(_mm256_shuffle_ps(pairs, pairs, _MM_SHUFFLE(2, 0, 2, 0)),
+                                     _mm256_shuffle_ps(pairs, pairs, _MM_SHUFFLE(3, 1, 3, 1))));
+  return v4{totals[0], totals[4], totals[1], totals[5]};
 }
 #else
 inline float horizontal_sum(v16 v) {
