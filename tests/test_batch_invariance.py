@@ -214,10 +214,11 @@ def default_drafter(name: str, target):
 
 # (The float32 tests in test_greedy_equality.py and test_heads.py cover more k; with float32
 # activations the default blocks compute the float32 path's logits bit for bit, the last test here.)
-# k: most draft tokens (tree nodes for eagle and medusa); the 27-layer draft model is too slow for 16.
+# k: most draft tokens (tree nodes for eagle and medusa); the 27-layer draft model runs 8 only (CI's
+# time: its forwards are the slowest drafter's; the other three cover one-token and 16-token drafts).
 @pytest.mark.parametrize(("drafter", "num_draft_tokens"),
                          [(name, k) for name in ("ngram", "model", "eagle", "medusa") for k in (1, 8, 16)
-                          if (name, k) != ("model", 16)])
+                          if name != "model" or k == 8])
 def test_greedy_speculation_equals_plain_decoding_in_the_default_format(default_target, default_plain_outputs,
                                                                         drafter, num_draft_tokens):
     engine = Engine(default_target, default_drafter(drafter, default_target), num_draft_tokens)
