@@ -15,7 +15,6 @@
 namespace draftwise {
 
 inline void append(std::string& out, const char* text) { out += text; }
-inline void append(std::string& out, const std::string& text) { out += text; }
 
 inline void append(std::string& out, c10::IntArrayRef sizes) {  // a tensor's shape, as "[2, 64]"
   out += '[';

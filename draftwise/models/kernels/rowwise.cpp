@@ -158,16 +158,12 @@ __attribute__((always_inline)) inline float dot(const float* a, const E* b, int6
   return horizontal_sum(acc);
 }
 
-// dot() of each of NQ queries a[q] with 4 rows b, b + D, b + 2D, b + 3D at once, each
-// bit-identical to dot(): the same 16-lane products in the same order, then horizontal_sums4.
-// The queries (a group's heads for one position) share every load of the keys.
+// dot() of each of NQ queries a[q] with NK rows b + k0 * D, b + (k0 + 1) * D, ... at once, each
+// bit-identical to dot(): the same 16-lane products in the same order, then horizontal_sum's tree
+// (horizontal_sums4 is that tree four times over, its instructions shared). The queries (a
+// group's heads for one position) share every load of the keys. out[h][k0 + r]: query h, key r.
 // Always inlined: called through attend's lambdas, GCC otherwise makes dot4<3, float> a call per
 // four keys (SmolLM2's prefill over bfloat16 caches: 21% of its time in the call).
-#if defined(DRAFTWISE_V16_PAIR)
-// AVX2: a v16 is two of its 16 registers, so NQ x 4 accumulators (up to 32) spilled to the stack
-// on every multiply-add. dot() of NQ queries with NK keys (b + k0 * D on), the sums in 2 * NQ * NK
-// registers, the same products in the same order as dot(), then horizontal_sum (which
-// horizontal_sums4 is, four times, here).
 template <int NQ, int NK, typename E>
 __attribute__((always_inline)) inline void dot_block(const float* const* a, const E* b, int64_t D, float* const* out,
                                                      int k0) {
@@ -181,7 +177,7 @@ __attribute__((always_inline)) inline void dot_block(const float* const* a, cons
   for (int64_t d = 16; d < D; d += 16) {
     v16 query[NQ];
 #pragma GCC unroll 4
-    for (int h = 0; h < NQ; ++h) query[h] = load16(a[h] + d);
+    for (int h = 0; h < NQ; ++h) query[h] = in_register(load16(a[h] + d));
 #pragma GCC unroll 4
     for (int r = 0; r < NK; ++r) {
       const v16 key = load16(b + (k0 + r) * D + d);
@@ -189,59 +185,37 @@ __attribute__((always_inline)) inline void dot_block(const float* const* a, cons
       for (int h = 0; h < NQ; ++h) acc[h][r] = fmadd(query[h], key, acc[h][r]);
     }
   }
-  if constexpr (NQ * NK == 4) {  // the four sums share their instructions
-    const v16& first = acc[0][0];
-    const v16* all = &first;
+  if constexpr (NK == 4) {  // each query's four sums together
+#pragma GCC unroll 4
+    for (int h = 0; h < NQ; ++h) {
+      const v4 sums = horizontal_sums4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
+      std::memcpy(out[h] + k0, &sums, sizeof sums);
+    }
+  } else {
+    static_assert(NQ * NK == 4, "dot_block: four sums a block");
+    const v16* all = &acc[0][0];  // [h][r] in order
     const v4 sums = horizontal_sums4(all[0], all[1], all[2], all[3]);
 #pragma GCC unroll 4
     for (int s = 0; s < 4; ++s) out[s / NK][k0 + s % NK] = sums[s];
-  } else {
-#pragma GCC unroll 4
-    for (int h = 0; h < NQ; ++h)
-#pragma GCC unroll 4
-      for (int r = 0; r < NK; ++r) out[h][k0 + r] = horizontal_sum(acc[h][r]);
   }
 }
 
-// Queries in pairs against two keys at a time (8 accumulator registers), a last odd query
-// against all four.
+// dot() of NQ queries with 4 keys. AVX2: a v16 is two of its 16 registers, so NQ x 4
+// accumulators (up to 32) spilled to the stack on every multiply-add: queries in pairs against
+// two keys at a time (8 registers), a last odd query against all four. AVX-512 holds them all.
 template <int NQ, typename E>
 __attribute__((always_inline)) inline void dot4(const float* const* a, const E* b, int64_t D, float* const* out) {
+#if defined(DRAFTWISE_V16_PAIR)
 #pragma GCC unroll 2
   for (int h = 0; h + 2 <= NQ; h += 2) {
     dot_block<2, 2>(a + h, b, D, out + h, 0);
     dot_block<2, 2>(a + h, b, D, out + h, 2);
   }
   if constexpr (NQ % 2 == 1) dot_block<1, 4>(a + NQ - 1, b, D, out + NQ - 1, 0);
-}
 #else
-template <int NQ, typename E>
-__attribute__((always_inline)) inline void dot4(const float* const* a, const E* b, int64_t D, float* const* out) {
-  v16 acc[NQ][4];
-#pragma GCC unroll 4
-  for (int r = 0; r < 4; ++r) {
-    const v16 key = load16(b + r * D);
-#pragma GCC unroll 4
-    for (int h = 0; h < NQ; ++h) acc[h][r] = load16(a[h]) * key;
-  }
-  for (int64_t d = 16; d < D; d += 16) {
-    v16 query[NQ];
-#pragma GCC unroll 4
-    for (int h = 0; h < NQ; ++h) query[h] = in_register(load16(a[h] + d));
-#pragma GCC unroll 4
-    for (int r = 0; r < 4; ++r) {
-      const v16 key = load16(b + r * D + d);
-#pragma GCC unroll 4
-      for (int h = 0; h < NQ; ++h) acc[h][r] = fmadd(query[h], key, acc[h][r]);
-    }
-  }
-#pragma GCC unroll 4
-  for (int h = 0; h < NQ; ++h) {
-    const v4 sums = horizontal_sums4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
-    std::memcpy(out[h], &sums, sizeof sums);
-  }
-}
+  dot_block<NQ, 4>(a, b, D, out, 0);
 #endif
+}
 
 // out[h][0..D) += weights[h][c] * v[0..D) for each key c in order, for NH queries (a group's
 // heads for one position) sharing every load of the values, the sums in registers (D = 16 * N).
