@@ -430,10 +430,18 @@ struct RoundedRows {  // activation rows rounded per super-block
   const int16_t* q_sum;    // Q6_K: K / 16 a row; else nullptr
 };
 
-// A super-block's integer lanes for rows i of x and j of w, Q6_K's offset taken off.
-inline vi8 offset_taken(vi8 total, KquantRows w, RoundedRows x, int i, int j, int64_t b, int64_t K) {
-  if (w.offset == nullptr) return total;
-  return total - offset_lanes(w.offset + j * (K / 16) + b * 16, x.q_sum + i * (K / 16) + b * 16);
+// One super-block's super_block_step for rows i of x and j of w in a prefill tile: Q6_K's
+// offset taken off its integer lanes (OFFSET), else the sub-blocks' coefficients (Q4_K, Q5_K).
+// OFFSET is a template argument so that the tile's loop carries no test of the format.
+template <bool OFFSET>
+inline v8 tile_step(v8 acc, vi8 total, KquantRows w, RoundedRows x, int i, int j, int64_t b, int64_t K) {
+  const float scale = w.d[j * (K / SUPER) + b] * x.d[i * (K / SUPER) + b];
+  if constexpr (OFFSET) {
+    total = total - offset_lanes(w.offset + j * (K / 16) + b * 16, x.q_sum + i * (K / 16) + b * 16);
+    return super_block_step(acc, total, scale, nullptr, nullptr);
+  } else {
+    return super_block_step(acc, total, scale, w.coef + j * (K / 16) + b * 8, x.sum + i * (K / 16) + b * 8);
+  }
 }
 
 // super_block_step in a decode kernel, for row i of x: the super-block's coefficients (Q4_K,
@@ -458,7 +466,7 @@ inline v8 decode_step(v8 acc, vi8 total, float scale, const float* coef, const i
 // (Before 2026-11-29 the sums were 16 lanes, two registers a pair, summed one half after the
 // other, and a super-block's float steps were four multiply-adds a pair with the coefficients
 // in them: ~40% of this kernel's time (perf), now one.)
-template <int NUM_X, int NUM_W>
+template <int NUM_X, int NUM_W, bool OFFSET>
 inline void kquant_micro(RoundedRows x, KquantRows w, float* y, int64_t K, int64_t N) {
   const int64_t blocks = K / SUPER;
   v8 acc[NUM_X][NUM_W] = {};
@@ -495,10 +503,7 @@ inline void kquant_micro(RoundedRows x, KquantRows w, float* y, int64_t K, int64
     for (int i = 0; i < NUM_X; ++i)
 #pragma GCC unroll 16
       for (int j = 0; j < NUM_W; ++j)
-        acc[i][j] = super_block_step(acc[i][j], offset_taken(vi8(total[i][j]), w, x, i, j, b, K),
-                                     w.d[j * blocks + b] * x.d[i * blocks + b],
-                                     w.coef == nullptr ? nullptr : w.coef + j * (K / 16) + b * 8,
-                                     x.sum + i * (K / 16) + b * 8);
+        acc[i][j] = tile_step<OFFSET>(acc[i][j], vi8(total[i][j]), w, x, i, j, b, K);
   }
 #pragma GCC unroll 16
   for (int i = 0; i < NUM_X; ++i)
@@ -507,7 +512,7 @@ inline void kquant_micro(RoundedRows x, KquantRows w, float* y, int64_t K, int64
       y[i * N + j] = horizontal_sum(acc[i][j]);
 }
 #else
-template <int NUM_X, int NUM_W>
+template <int NUM_X, int NUM_W, bool OFFSET>
 inline void kquant_micro(RoundedRows x, KquantRows w, float* y, int64_t K, int64_t N) {
   const int64_t blocks = K / SUPER;
   v8 acc[NUM_X][NUM_W] = {};
@@ -524,10 +529,7 @@ inline void kquant_micro(RoundedRows x, KquantRows w, float* y, int64_t K, int64
     for (int i = 0; i < NUM_X; ++i)
 #pragma GCC unroll 16
       for (int j = 0; j < NUM_W; ++j)
-        acc[i][j] = super_block_step(acc[i][j], offset_taken(fold(total[i][j]), w, x, i, j, b, K),
-                                     w.d[j * blocks + b] * x.d[i * blocks + b],
-                                     w.coef == nullptr ? nullptr : w.coef + j * (K / 16) + b * 8,
-                                     x.sum + i * (K / 16) + b * 8);
+        acc[i][j] = tile_step<OFFSET>(acc[i][j], fold(total[i][j]), w, x, i, j, b, K);
   }
 #pragma GCC unroll 16
   for (int i = 0; i < NUM_X; ++i)
@@ -1078,7 +1080,11 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, int64_t fo
                                   format == Q6_K ? offset + r0 * K / 16 : nullptr};
               const RoundedRows xr{a.q.data() + m * K, a.scale.data() + m * (K / SUPER), a.sum.data() + m * K / 16,
                                    format == Q6_K ? a.q_sum.data() + m * K / 16 : nullptr};
-              kquant_micro<decltype(num_x)::value, decltype(num_w)::value>(xr, wr, out + m * N + n0 + r0, K, N);
+              if (format == Q6_K) {
+                kquant_micro<decltype(num_x)::value, decltype(num_w)::value, true>(xr, wr, out + m * N + n0 + r0, K, N);
+              } else {
+                kquant_micro<decltype(num_x)::value, decltype(num_w)::value, false>(xr, wr, out + m * N + n0 + r0, K, N);
+              }
             });
           } else {
             every_x<ROWS_OF_X>(m_begin, m_end, [&](auto num_x, int64_t m) {
