@@ -85,7 +85,9 @@ int main(int argc, char** argv) {
   const long iterations = 100000000;
   const char* names[3] = {"float32 vfmadd231ps", "int8 vpmaddubsw+vpmaddwd", "int16 vpmaddwd"};
   const double macs_per_iteration[3] = {12.0 * 8, 6.0 * 32, 6.0 * 16};
-  for (int threads = 1; threads <= max_threads; threads = threads == 1 && max_threads > 1 ? max_threads : threads + max_threads) {
+  const int thread_counts[2] = {1, max_threads};
+  for (int row = 0; row < (max_threads > 1 ? 2 : 1); ++row) {  // 1 thread, then max_threads
+    const int threads = thread_counts[row];
     for (int mix = 0; mix < 3; ++mix) {
       double best = 0;
       for (int round = 0; round < 5; ++round) {

@@ -430,20 +430,6 @@ struct RoundedRows {  // activation rows rounded per super-block
   const int16_t* q_sum;    // Q6_K: K / 16 a row; else nullptr
 };
 
-// One super-block's super_block_step for rows i of x and j of w in a prefill tile: Q6_K's
-// offset taken off its integer lanes (OFFSET), else the sub-blocks' coefficients (Q4_K, Q5_K).
-// OFFSET is a template argument so that the tile's loop carries no test of the format.
-template <bool OFFSET>
-inline v8 tile_step(v8 acc, vi8 total, KquantRows w, RoundedRows x, int i, int j, int64_t b, int64_t K) {
-  const float scale = w.d[j * (K / SUPER) + b] * x.d[i * (K / SUPER) + b];
-  if constexpr (OFFSET) {
-    total = total - offset_lanes(w.offset + j * (K / 16) + b * 16, x.q_sum + i * (K / 16) + b * 16);
-    return super_block_step(acc, total, scale, nullptr, nullptr);
-  } else {
-    return super_block_step(acc, total, scale, w.coef + j * (K / 16) + b * 8, x.sum + i * (K / 16) + b * 8);
-  }
-}
-
 // super_block_step in a decode kernel, for row i of x: the super-block's coefficients (Q4_K,
 // Q5_K) or offsets (Q6_K), decoded from the block, as kquant_micro takes them unpacked.
 template <int64_t FORMAT>
@@ -457,6 +443,17 @@ inline v8 decode_step(v8 acc, vi8 total, float scale, const float* coef, const i
   }
 }
 
+// decode_step in a prefill tile, for rows i of x and j of w, from the rows unpacked in memory.
+// STEP is Q6_K (an offset) or Q4_K (coefficients: Q5_K's rows unpack as Q4_K's do), a template
+// argument so that the tile's loop carries no test of the format.
+template <int64_t STEP>
+inline v8 tile_step(v8 acc, vi8 total, KquantRows w, RoundedRows x, int i, int j, int64_t b, int64_t K) {
+  static_assert(STEP == Q6_K || STEP == Q4_K, "tile_step: Q6_K's step or Q4_K's");
+  const float scale = w.d[j * (K / SUPER) + b] * x.d[i * (K / SUPER) + b];
+  return STEP == Q6_K ? decode_step<STEP>(acc, total, scale, nullptr, w.offset + j * (K / 16) + b * 16, x, i, b, K)
+                      : decode_step<STEP>(acc, total, scale, w.coef + j * (K / 16) + b * 8, nullptr, x, i, b, K);
+}
+
 #if defined(DRAFTWISE_V16_PAIR)
 // AVX2's prefill tile: 6 rows of x against 2 weight rows, each pair's integer sum one 256-bit
 // register (a super-block's 32-column pieces added into it: columns 4i .. 4i + 3 of each in
@@ -466,7 +463,7 @@ inline v8 decode_step(v8 acc, vi8 total, float scale, const float* coef, const i
 // (Before 2026-11-29 the sums were 16 lanes, two registers a pair, summed one half after the
 // other, and a super-block's float steps were four multiply-adds a pair with the coefficients
 // in them: ~40% of this kernel's time (perf), now one.)
-template <int NUM_X, int NUM_W, bool OFFSET>
+template <int NUM_X, int NUM_W, int64_t STEP>
 inline void kquant_micro(RoundedRows x, KquantRows w, float* y, int64_t K, int64_t N) {
   const int64_t blocks = K / SUPER;
   v8 acc[NUM_X][NUM_W] = {};
@@ -503,7 +500,7 @@ inline void kquant_micro(RoundedRows x, KquantRows w, float* y, int64_t K, int64
     for (int i = 0; i < NUM_X; ++i)
 #pragma GCC unroll 16
       for (int j = 0; j < NUM_W; ++j)
-        acc[i][j] = tile_step<OFFSET>(acc[i][j], vi8(total[i][j]), w, x, i, j, b, K);
+        acc[i][j] = tile_step<STEP>(acc[i][j], vi8(total[i][j]), w, x, i, j, b, K);
   }
 #pragma GCC unroll 16
   for (int i = 0; i < NUM_X; ++i)
@@ -512,7 +509,7 @@ inline void kquant_micro(RoundedRows x, KquantRows w, float* y, int64_t K, int64
       y[i * N + j] = horizontal_sum(acc[i][j]);
 }
 #else
-template <int NUM_X, int NUM_W, bool OFFSET>
+template <int NUM_X, int NUM_W, int64_t STEP>
 inline void kquant_micro(RoundedRows x, KquantRows w, float* y, int64_t K, int64_t N) {
   const int64_t blocks = K / SUPER;
   v8 acc[NUM_X][NUM_W] = {};
@@ -529,7 +526,7 @@ inline void kquant_micro(RoundedRows x, KquantRows w, float* y, int64_t K, int64
     for (int i = 0; i < NUM_X; ++i)
 #pragma GCC unroll 16
       for (int j = 0; j < NUM_W; ++j)
-        acc[i][j] = tile_step<OFFSET>(acc[i][j], fold(total[i][j]), w, x, i, j, b, K);
+        acc[i][j] = tile_step<STEP>(acc[i][j], fold(total[i][j]), w, x, i, j, b, K);
   }
 #pragma GCC unroll 16
   for (int i = 0; i < NUM_X; ++i)
@@ -1081,9 +1078,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, int64_t fo
               const RoundedRows xr{a.q.data() + m * K, a.scale.data() + m * (K / SUPER), a.sum.data() + m * K / 16,
                                    format == Q6_K ? a.q_sum.data() + m * K / 16 : nullptr};
               if (format == Q6_K) {
-                kquant_micro<decltype(num_x)::value, decltype(num_w)::value, true>(xr, wr, out + m * N + n0 + r0, K, N);
-              } else {
-                kquant_micro<decltype(num_x)::value, decltype(num_w)::value, false>(xr, wr, out + m * N + n0 + r0, K, N);
+                kquant_micro<decltype(num_x)::value, decltype(num_w)::value, Q6_K>(xr, wr, out + m * N + n0 + r0, K, N);
+              } else {  // Q4_K, Q5_K
+                kquant_micro<decltype(num_x)::value, decltype(num_w)::value, Q4_K>(xr, wr, out + m * N + n0 + r0, K, N);
               }
             });
           } else {
