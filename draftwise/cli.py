@@ -145,18 +145,21 @@ def _add_engine_flags(cmd, drafter_default: str | None = "ngram", drafter_defaul
                      help="re-quantize the float weights: int8 (Q8_0 blocks) or int4 (Q4_1 blocks)")
     cmd.add_argument("--activations", default="auto", choices=list(ACTIVATIONS),
                      help="what each linear's input is rounded to. auto (default): for a GGUF model's own blocks "
-                          "amx on a CPU with AMX tiles, else bf16 on a CPU with AVX-512 BF16, else float32; float32: "
+                          "amx on a CPU with AMX tiles, else bf16 on a CPU with AVX-512 BF16, else int16 on K-quant "
+                          "blocks (Q4_K_M, Q5_K_M files) where the CPU has AVX2, else float32; float32: "
                           "the file's weights exactly, float32 arithmetic; bf16: input and weights rounded to bfloat16, "
                           "float32 sums (1.3-1.6x faster prefill and verify forwards, logits very close to float32's); "
                           "amx: the same rounding summed on AMX tiles (Intel Xeons since Sapphire Rapids: verify forwards "
                           "of up to 16 tokens cost little more than one, prefill 2-4x faster, one token slower); int8: input rounded "
                           "to 8 bits per 32 values, integer dot products with the GGUF / --quantize blocks (about "
-                          "2x faster decoding, further from float32). Speculation never changes the output in any "
+                          "2x faster decoding, further from float32); int16: input rounded to 15 bits per 256 values, "
+                          "integer dot products with K-quant blocks (on AVX2 1.4x faster decoding than float32, "
+                          "logits within KL 3e-7 of it). Speculation never changes the output in any "
                           "of them")
     cmd.add_argument("--kv-cache", default="auto", choices=list(KV_CACHES),
                      help="what the KV caches store keys and values in: bf16 (half the bytes each decode step "
                           "reads per cached token: faster long contexts and batches, half the cache memory) or "
-                          "float32; auto (default): float32 with --activations float32, else bf16. Attention's "
+                          "float32; auto (default): float32 with --activations float32 or int16, else bf16. Attention's "
                           "arithmetic is float32 either way, and speculation never changes the output")
 
 
@@ -279,14 +282,15 @@ def _add_bench(subparsers) -> None:
                           "'none' for no such rows (default: int8,int4)")
     cmd.add_argument("--activations", default="auto", choices=list(ACTIVATIONS),
                      help="the draftwise rows' activations, as for generate (default auto: amx or bf16 for a GGUF "
-                          "model's own blocks where the CPU has AMX tiles or AVX-512 BF16, else float32); the report's "
+                          "model's own blocks where the CPU has AMX tiles or AVX-512 BF16, else int16 on K-quant "
+                          "blocks with AVX2, else float32); the report's "
                           "title says which ran")
     cmd.add_argument("--kv-cache", default="auto", choices=list(KV_CACHES),
                      help="what every draftwise row's KV caches store, as for generate (default auto: float32 with "
-                          "float32 activations, else bf16)")
+                          "float32 or int16 activations, else bf16)")
     cmd.add_argument("--activation-rows", default="none",
                      help="comma-separated activation modes to add rows for (draftwise plain, ngram, model, eagle, medusa on "
-                          "the same weights): float32, bf16, int8, amx; 'none' for no such rows (default)")
+                          "the same weights): float32, bf16, int8, amx, int16; 'none' for no such rows (default)")
     cmd.add_argument("--threads", type=int, help="CPU threads for every method (default: PyTorch's, one per core)")
     cmd.add_argument("--num-draft-tokens", type=int, metavar="K",
                      help="most draft tokens per step (default: 10 for ngram, 5 for model)")

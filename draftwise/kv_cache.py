@@ -25,10 +25,11 @@ def check_kv_cache(kv_cache: str) -> None:
 
 def cache_dtype(kv_cache: str, activations: str) -> torch.dtype:
     """The dtype --kv-cache names; "auto": bfloat16 where the linears already round their input
-    (bf16, amx, int8 activations), float32 with float32 activations (float32 throughout)."""
+    to 8 bits or bfloat16 (bf16, amx, int8 activations), float32 with float32 activations (float32
+    throughout) and with int16 (whose 15-bit rounding a bfloat16 cache would outweigh)."""
     check_kv_cache(kv_cache)
     if kv_cache == "auto":
-        return torch.float32 if activations == "float32" else torch.bfloat16
+        return torch.float32 if activations in ("float32", "int16") else torch.bfloat16
     return KV_CACHES[kv_cache]
 
 

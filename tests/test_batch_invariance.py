@@ -32,7 +32,9 @@ FORMATS = {"gguf": {"dtype": "auto", "activations": "float32"}, "float32": {"dty
            "bfloat16": {"dtype": "bfloat16"},
            "int8": {"dtype": "float32", "quantize": "int8"}, "int4": {"dtype": "float32", "quantize": "int4"},
            "gguf-int8-activations": {"dtype": "auto", "activations": "int8"},
-           "gguf-bf16-activations": {"dtype": "auto", "activations": "bf16"}}
+           "gguf-bf16-activations": {"dtype": "auto", "activations": "bf16"},
+           # int16 activations run K-quant blocks only (SmolLM2 has none): the 0.5B's Q4_K, Q6_K
+           "qwen-gguf-int16-activations": {"name": "qwen2.5-coder-0.5b", "dtype": "auto", "activations": "int16"}}
 # AMX tiles run only where the CPU has them (elsewhere tests/test_amx_activations.py checks the refusal).
 _KERNELS = native_kernels(progress=False)
 if _KERNELS is not None and _KERNELS.amx_in_hardware():
@@ -41,7 +43,8 @@ if _KERNELS is not None and _KERNELS.amx_in_hardware():
 
 @pytest.fixture(scope="module", params=list(FORMATS))
 def model(request):
-    return loading.load("smollm2-135m", auto_fetch=True, progress=False, **FORMATS[request.param]).model
+    arguments = dict(FORMATS[request.param])
+    return loading.load(arguments.pop("name", "smollm2-135m"), auto_fetch=True, progress=False, **arguments).model
 
 
 def one_token_logits(model, tokens: torch.Tensor) -> torch.Tensor:  # [n] -> [n, vocab], one forward per token
@@ -173,6 +176,7 @@ def default_target():
 
 def test_the_default_activations_follow_the_cpu_on_a_gguf_models_own_blocks(default_target, smollm2_dense):
     kernels = native_kernels(progress=False)
+    # SmolLM2's blocks (Q4_1, Q8_0) have no int16 path, so no CPU gives them int16 by default
     expected = ("amx" if kernels.amx_in_hardware() else "bf16" if kernels.bf16_dot_in_hardware() else "float32")
     assert default_target.activations == expected
     assert {m.weight.activations for m in default_target.model.modules() if isinstance(m, BlockLinear)} == {expected}
@@ -180,6 +184,17 @@ def test_the_default_activations_follow_the_cpu_on_a_gguf_models_own_blocks(defa
     assert {m.weight.activations for m in smollm2_dense.model.modules() if isinstance(m, BlockLinear)} == {"float32"}
     with pytest.raises(ConfigError, match="not 'auto'"):
         use_activations(smollm2_dense.model, "auto")
+
+
+def test_k_quant_blocks_default_to_int16_activations_where_avx2_is_the_best_the_cpu_has():
+    from draftwise.models.linear import WeightFormat, default_activations
+
+    kernels = native_kernels(progress=False)
+    best = "amx" if kernels.amx_in_hardware() else "bf16" if kernels.bf16_dot_in_hardware() else None
+    k_quants, blocks32 = frozenset({WeightFormat.Q4_K, WeightFormat.Q6_K}), frozenset({WeightFormat.Q4_1})
+    assert default_activations(True, k_quants) == (best or ("int16" if kernels.int16_dot_in_hardware() else "float32"))
+    assert default_activations(True, blocks32) == (best or "float32")
+    assert default_activations(False, k_quants) == "float32"  # --dtype float32 / --quantize keep float32
 
 
 def test_the_kv_cache_is_bfloat16_where_the_activations_are_rounded_unless_told(default_target, smollm2_dense):
@@ -250,13 +265,16 @@ def stepped_logits(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 # 32-weight blocks (SmolLM2); Q4_K, Q6_K, Q5_0 (the 0.5B). Rounded activations store keys and values
-# in bfloat16 by default; float32 activations over a bfloat16 cache is the remaining combination.
+# in bfloat16 by default (int16's, in float32); float32 activations over a bfloat16 cache is the
+# remaining combination.
 @pytest.mark.parametrize(("name", "activations", "kv_cache"),
                          [(name, activations, "auto") for name in ("smollm2-135m", "qwen2.5-coder-0.5b")
-                          for activations in ("int8", "bf16")] + [("smollm2-135m", "float32", "bf16")])
+                          for activations in ("int8", "bf16")] + [("smollm2-135m", "float32", "bf16"),
+                                                                  ("qwen2.5-coder-0.5b", "int16", "auto")])
 def test_greedy_speculation_equals_plain_decoding_with_rounded_activations(name, activations, kv_cache):
     target = loading.load(name, auto_fetch=True, progress=False, activations=activations, kv_cache=kv_cache)
-    assert target.model.new_cache(1).keys.dtype == torch.bfloat16
+    expected_cache = torch.float32 if activations == "int16" else torch.bfloat16
+    assert target.model.new_cache(1).keys.dtype == expected_cache
     prompts = PROMPTS if name == "smollm2-135m" else PROMPTS[:2]  # the 0.5B: CI budget
     plain = [Engine(target).generate(prompt, GREEDY).token_ids for prompt in prompts]
     engine = Engine(target, NgramDrafter(), 8)

@@ -225,6 +225,66 @@ def test_int8_activations_need_block_weights(kernels):
         kernels.int8_linear(torch.randn(2, 64), float_layer.weight.data, int(WeightFormat.F32), 64)
 
 
+INT16_CASES = [(WeightFormat.Q4_K, real_blocks), (WeightFormat.Q6_K, real_blocks),
+               (WeightFormat.Q5_K, requantized_blocks)]
+
+
+def rounded_to_int16(x: torch.Tensor) -> torch.Tensor:
+    """x with each 256 columns rounded to 15 bits and a sign (scale amax / 16383), as int16_linear does."""
+    blocks = x.reshape(x.shape[0], -1, 256)
+    top = blocks.abs().amax(-1, keepdim=True)
+    inverse = torch.where(top > 0, (16383 / top.double().clamp_min(1e-30)).float(), torch.zeros_like(top))
+    return ((blocks * inverse).round().clamp(-16383, 16383) * (top / 16383)).reshape(x.shape)
+
+
+@pytest.mark.parametrize("format, make", INT16_CASES, ids=[format.name for format, _ in INT16_CASES])
+def test_int16_activations_compute_the_blocks_times_the_rounded_input(kernels, format, make):
+    data, num_columns = make(format)
+    dense = BlockWeight(data, format, num_columns).rows(torch.arange(data.shape[0])).double()
+    torch.manual_seed(int(format))
+    x = torch.randn(40, num_columns) * 3
+    reference = rounded_to_int16(x).double() @ dense.T
+    unrounded = x.double() @ dense.T
+    int8_error = (kernels.int8_linear(x, data, int(format), num_columns).double() - unrounded).abs().max()
+    for rows in (1, 3, 40):  # the decode kernel (weights multiplied as they are unpacked) and the tile one
+        got = kernels.int16_linear(x[:rows], data, int(format), num_columns).double()
+        # exact integer dot products: only float32 rounding of the scales and the sums is left
+        assert (got - reference[:rows]).abs().max() < 1e-5 * reference.abs().max()
+        # 14 bits and a sign a value where int8 keeps 7: ~100x closer to float32 activations than
+        # int8 (the step 16383 / 127 = 129x finer; the largest error here ~96x smaller)
+        assert (got - unrounded[:rows]).abs().max() < 0.02 * int8_error
+
+
+@pytest.mark.parametrize("format", [WeightFormat.Q4_K, WeightFormat.Q5_K, WeightFormat.Q6_K], ids=lambda f: f.name)
+def test_int16_rows_are_bit_identical_whatever_rows_are_beside_them(kernels, format):
+    # 47 weight rows: the tile path's last item of 16 rows ends on a lone weight row
+    data, num_columns = dict(CASES)[format](format, 47)
+    weight = BlockWeight(data, format, num_columns)
+    weight.activations = "int16"
+    torch.manual_seed(1)
+    x = torch.randn(200, num_columns)
+    alone = torch.cat([weight.matmul(x[i:i + 1]) for i in range(200)])
+    # up to 12 rows: the decode path, in even groups of at most 8 (9 = 5 + 4; AVX2: Q4_K and Q6_K
+    # in registers, Q5_K unpacked into L1); from 13 the tile path, 4 rows of x by 2 weight rows at a
+    # time, in row tiles of at most 96: 13, 14, 15 end on every smaller block, 97 and 200 span
+    # several row tiles
+    for group in (2, 3, 5, 8, 9, 12, 13, 14, 15, 97, 200):
+        together = torch.cat([weight.matmul(x[i:i + group]) for i in range(0, 200, group)])
+        assert torch.equal(together, alone), f"rows differ when computed {group} at a time"
+
+
+def test_int16_activations_need_k_quant_blocks(kernels):
+    from draftwise.errors import ConfigError
+    from draftwise.models.linear import use_activations
+
+    data, num_columns = synthetic_blocks(WeightFormat.Q4_1, num_rows=8, num_columns=64)
+    layer = BlockLinear(BlockWeight(data, WeightFormat.Q4_1, num_columns))
+    with pytest.raises(ConfigError, match="Q4_K_M"):
+        use_activations(layer, "int16")
+    with pytest.raises(RuntimeError, match="no int16 path"):
+        kernels.int16_linear(torch.randn(2, 64), data, int(WeightFormat.Q4_1), 64)
+
+
 @pytest.mark.parametrize("tokens, heads, head_dim", [(1, 12, 128), (9, 2, 128), (40, 9, 64)])
 def test_rotary_is_pytorchs_formula_bit_for_bit(kernels, tokens, heads, head_dim):
     # The kernel replaces x * cos + rotate_half(x) * sin in the decoder: it must not change a bit

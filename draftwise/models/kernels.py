@@ -27,7 +27,7 @@ import torch
 from draftwise.models import registry
 
 KERNEL_DIR = Path(__file__).parent / "kernels"
-SOURCES = ("linear.cpp", "int8_linear.cpp", "bf16_linear.cpp", "amx_linear.cpp", "rowwise.cpp", "decoder.cpp", "module.cpp")
+SOURCES = ("linear.cpp", "int8_linear.cpp", "int16_linear.cpp", "bf16_linear.cpp", "amx_linear.cpp", "rowwise.cpp", "decoder.cpp", "module.cpp")
 # DRAFTWISE_KERNEL=0 skips the kernels (PyTorch ops only): for comparisons and for machines where
 # building is unwanted.
 DISABLE_ENV = "DRAFTWISE_KERNEL"

@@ -26,8 +26,8 @@ from draftwise.models.base import ModelInfo
 from draftwise.models.hf import HFModel, load_hf_model
 from draftwise.models.gguf_weights import dequantised_note, read_blocks
 from draftwise.models.kernels import native_kernels
-from draftwise.models.linear import (WeightFormat, check_activations, check_quantize, default_activations,
-                                     use_activations)
+from draftwise.models.linear import (BlockWeight, WeightFormat, check_activations, check_quantize,
+                                     default_activations, use_activations)
 from draftwise.models.llama import SUPPORTED_ARCHITECTURES, DecoderShape, LlamaModel
 from draftwise.models.memory import keep_freed_memory
 
@@ -180,7 +180,8 @@ def load(spec: str, dtype: str = "auto", auto_fetch: bool = False, progress: boo
     else:
         model = LlamaModel.from_state_dict(shape, info, weights, DTYPES[dtype] or WeightFormat.F32, quantize)
     if activations == "auto":
-        activations = default_activations(own_blocks=gguf_file is not None)
+        formats = frozenset(m.format for m in model.modules() if isinstance(m, BlockWeight))
+        activations = default_activations(own_blocks=gguf_file is not None, formats=formats)
     use_activations(model, activations)
     model.cache_dtype = cache_dtype(kv_cache, activations)
     del weights  # the model copied them out of the mapped files: let the mappings go

@@ -16,6 +16,7 @@ at::Tensor Decoder::Linear::operator()(const at::Tensor& x) const {
   at::Tensor y = activations == 1   ? int8_linear(x, data, format, columns)
                  : activations == 2 ? bf16_linear(x, data, format, columns)
                  : activations == 3 ? amx_linear(x, data, format, columns)
+                 : activations == 4 ? int16_linear(x, data, format, columns)
                                     : blocked_linear(x, data, format, columns);
   return bias.defined() ? y.add_(bias) : y;  // BlockLinear.forward's out.add_(bias)
 }

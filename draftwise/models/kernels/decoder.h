@@ -37,7 +37,7 @@ class Decoder {
   struct Linear {
     at::Tensor data;
     int64_t format, columns;
-    int64_t activations;  // 0 float32, 1 int8, 2 bfloat16, 3 bfloat16 on AMX tiles
+    int64_t activations;  // 0 float32, 1 int8, 2 bfloat16, 3 bfloat16 on AMX tiles, 4 int16
     at::Tensor bias;  // undefined: none
     at::Tensor operator()(const at::Tensor& x) const;
   };

@@ -23,6 +23,8 @@ const char* vector_paths() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("blocked_linear", &draftwise::blocked_linear, "x [M, K] float32 @ W.T, W in a GGUF block format");
   m.def("int8_linear", &draftwise::int8_linear, "x [M, K] rounded to int8 @ W.T, W in a GGUF block format");
+  m.def("int16_linear", &draftwise::int16_linear, "x [M, K] rounded to int16 per 256 columns @ W.T, W in a K-quant format");
+  m.def("int16_dot_in_hardware", &draftwise::int16_dot_in_hardware, "whether int16_linear runs on AVX2");
   m.def("int8_dot_in_hardware", &draftwise::int8_dot_in_hardware, "whether int8_linear runs on AVX-512 VNNI");
   m.def("bf16_linear", &draftwise::bf16_linear, "x [M, K] rounded to bfloat16 @ W.T rounded to bfloat16");
   m.def("amx_linear", &draftwise::amx_linear, "x [M, K] rounded to bfloat16 @ W.T rounded to bfloat16, on AMX tiles");
