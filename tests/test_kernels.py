@@ -148,14 +148,15 @@ INT8_CASES = [(WeightFormat.Q4_1, real_blocks), (WeightFormat.Q8_0, real_blocks)
               (WeightFormat.Q4_0, synthetic_blocks), (WeightFormat.Q5_1, synthetic_blocks)]
 
 
-def rounded_to_int8(x: torch.Tensor, block: int) -> torch.Tensor:
-    """x with each block of columns rounded to 8 bits (scale amax / 127), as int8_linear does."""
+def rounded_per_block(x: torch.Tensor, block: int, levels: int = 127) -> torch.Tensor:
+    """x with each block of columns rounded to integers of at most `levels` (scale amax / levels):
+    8 bits as int8_linear does (127), or 15 per 256 columns as int16_linear does (16383)."""
     blocks = x.reshape(x.shape[0], -1, block)
     top = blocks.abs().amax(-1, keepdim=True)
-    # 127 / amax, correctly rounded to float32 as the kernel divides (torch's scalar-by-tensor
+    # levels / amax, correctly rounded to float32 as the kernel divides (torch's scalar-by-tensor
     # division multiplies by a reciprocal, one ulp off at times: enough to flip a tie)
-    inverse = torch.where(top > 0, (127 / top.double().clamp_min(1e-30)).float(), torch.zeros_like(top))
-    return ((blocks * inverse).round().clamp(-127, 127) * (top / 127)).reshape(x.shape)
+    inverse = torch.where(top > 0, (levels / top.double().clamp_min(1e-30)).float(), torch.zeros_like(top))
+    return ((blocks * inverse).round().clamp(-levels, levels) * (top / levels)).reshape(x.shape)
 
 
 @pytest.mark.parametrize("format, make", INT8_CASES, ids=[format.name for format, _ in INT8_CASES])
@@ -166,7 +167,7 @@ def test_int8_activations_compute_the_blocks_times_the_rounded_input(kernels, fo
     torch.manual_seed(int(format))
     x = torch.randn(40, num_columns) * 3
     block = 256 if format in (WeightFormat.Q4_K, WeightFormat.Q5_K, WeightFormat.Q6_K) else 32
-    reference = rounded_to_int8(x, block).double() @ dense.T
+    reference = rounded_per_block(x, block).double() @ dense.T
     unrounded = x.double() @ dense.T
     for rows in (1, 9, 40):  # the decode kernel (weights unpacked in registers) and the prefill one
         got = kernels.int8_linear(x[:rows], data, int(format), num_columns).double()
@@ -229,21 +230,13 @@ INT16_CASES = [(WeightFormat.Q4_K, real_blocks), (WeightFormat.Q6_K, real_blocks
                (WeightFormat.Q5_K, requantized_blocks)]
 
 
-def rounded_to_int16(x: torch.Tensor) -> torch.Tensor:
-    """x with each 256 columns rounded to 15 bits and a sign (scale amax / 16383), as int16_linear does."""
-    blocks = x.reshape(x.shape[0], -1, 256)
-    top = blocks.abs().amax(-1, keepdim=True)
-    inverse = torch.where(top > 0, (16383 / top.double().clamp_min(1e-30)).float(), torch.zeros_like(top))
-    return ((blocks * inverse).round().clamp(-16383, 16383) * (top / 16383)).reshape(x.shape)
-
-
 @pytest.mark.parametrize("format, make", INT16_CASES, ids=[format.name for format, _ in INT16_CASES])
 def test_int16_activations_compute_the_blocks_times_the_rounded_input(kernels, format, make):
     data, num_columns = make(format)
     dense = BlockWeight(data, format, num_columns).rows(torch.arange(data.shape[0])).double()
     torch.manual_seed(int(format))
     x = torch.randn(40, num_columns) * 3
-    reference = rounded_to_int16(x).double() @ dense.T
+    reference = rounded_per_block(x, 256, levels=16383).double() @ dense.T
     unrounded = x.double() @ dense.T
     int8_error = (kernels.int8_linear(x, data, int(format), num_columns).double() - unrounded).abs().max()
     for rows in (1, 3, 40):  # the decode kernel (weights multiplied as they are unpacked) and the tile one

@@ -70,14 +70,7 @@ struct Rounded16 {  // M rows of x, K columns
 // (ties to even; no fused multiply-add, so the rounding is the float32 product's).
 void round_row16(const float* x, int64_t K, int16_t* q, float* d_out, float* sum) {
   for (int64_t b = 0; b < K / SUPER; ++b, x += SUPER, q += SUPER, sum += SUPER / 32) {
-    v16 amax = {};
-    for (int64_t k = 0; k < SUPER; k += 16) {
-      const v16 v = load16(x + k);
-      const v16 magnitude = select(v < 0, -v, v);
-      amax = select(magnitude > amax, magnitude, amax);
-    }
-    float top = 0.0f;
-    for (int i = 0; i < 16; ++i) top = std::max(top, amax[i]);
+    const float top = largest_magnitude(x, SUPER);
     const float d = top / X_LIMIT, inverse = top > 0.0f ? X_LIMIT / top : 0.0f;
     d_out[b] = d;
     for (int64_t k = 0; k < SUPER; k += 32) {

@@ -126,14 +126,7 @@ void round_row(const float* x, int64_t K, int64_t block, int64_t group, int8_t* 
                int16_t* q_sum) {
   const v16 limit = v16{} + 127.0f;
   for (int64_t b = 0; b < K / block; ++b, x += block, q += block, sum += block / group) {
-    v16 amax = {};
-    for (int64_t k = 0; k < block; k += 16) {
-      const v16 v = load16(x + k);
-      const v16 magnitude = select(v < 0, -v, v);
-      amax = select(magnitude > amax, magnitude, amax);
-    }
-    float top = 0.0f;
-    for (int i = 0; i < 16; ++i) top = std::max(top, amax[i]);
+    const float top = largest_magnitude(x, block);
     const float d = top / 127.0f, inverse = top > 0.0f ? 127.0f / top : 0.0f;
     scale[b] = d;
     int total = 0;

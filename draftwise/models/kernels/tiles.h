@@ -30,6 +30,20 @@ inline int64_t even_tile_rows(int64_t M, int64_t max_rows, int64_t multiple = 1)
   return std::min(max_rows, (rows + multiple - 1) / multiple * multiple);
 }
 
+// The largest |x[k]| of count values (a multiple of 16): the scale of a block of rounded
+// activations (int8_linear.cpp, int16_linear.cpp). A maximum is exact in any order.
+inline float largest_magnitude(const float* x, int64_t count) {
+  v16 amax = {};
+  for (int64_t k = 0; k < count; k += 16) {
+    const v16 v = load16(x + k);
+    const v16 magnitude = select(v < 0, -v, v);
+    amax = select(magnitude > amax, magnitude, amax);
+  }
+  float top = 0.0f;
+  for (int i = 0; i < 16; ++i) top = std::max(top, amax[i]);
+  return top;
+}
+
 // Where a register block's sums start and end: from `partial` or from zero (a first column
 // step), and back into `partial` or, after the last column step, straight into y as finished
 // sums (horizontal_sum's, four at a time): no zeroing pass, no parking, no reloading.
