@@ -89,4 +89,16 @@ inline void check_weight(const at::Tensor& weight, int64_t format, int64_t K) {
                   " bytes per row do not hold ", K, " weights of format ", format));
 }
 
+// The K-quant formats (256-weight super-blocks with sub-block scales): int8_linear's and
+// int16_linear's integer paths take them apart from the 32-weight blocks.
+inline bool is_kquant(int64_t format) { return format == Q4_K || format == Q5_K || format == Q6_K; }
+// Where Q4_K's and Q5_K's 128 bytes of nibbles start (Q5_K's 32 bytes of fifth bits come first, at 16).
+inline constexpr int64_t nibbles_at(int64_t format) { return format == Q5_K ? 48 : 16; }
+
+// x: the rows a rounding kernel (int8_linear, int16_linear) takes, contiguous float32 [M, K].
+inline void check_rows_of_x(const at::Tensor& x, int64_t K, const char* kernel) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              say(kernel, ": x must be contiguous float32 [M, ", K, "]"));
+}
+
 }  // namespace draftwise

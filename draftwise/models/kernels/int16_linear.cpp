@@ -55,7 +55,6 @@ constexpr int64_t TILE_ROWS_OF_W = 16;  // weight rows a work item of the tile p
 constexpr int64_t TILE_COLUMNS = 512;   // columns of a tile step: its x and weight rows stay in L1
 constexpr int64_t PREFETCH_AHEAD = 4096;  // bytes: a decode step reads its weight rows this far ahead
 
-inline bool is_int16_format(int64_t format) { return format == Q4_K || format == Q5_K || format == Q6_K; }
 inline bool has_min(int64_t format) { return format != Q6_K; }
 
 // ---- activations ----------------------------------------------------------------------------
@@ -179,7 +178,7 @@ inline void unpack_block(int64_t format, const uint8_t* block, const Scales& s, 
     return;
   }
 #endif
-  const uint8_t* nibbles = block + (format == Q5_K ? 48 : 16);
+  const uint8_t* nibbles = block + nibbles_at(format);
   const uint8_t* fifth = block + 16;  // Q5_K: bit j of fifth[l] is the fifth bit of column l of sub-block j
   for (int pair = 0; pair < 4; ++pair) {
     const int j = 2 * pair;
@@ -482,11 +481,10 @@ bool int16_dot_in_hardware() {
 }
 
 at::Tensor int16_linear(const at::Tensor& x, const at::Tensor& weight, int64_t format, int64_t K) {
-  TORCH_CHECK(is_int16_format(format), say("int16_linear: weight format ", format,
+  TORCH_CHECK(is_kquant(format), say("int16_linear: weight format ", format,
                   " has no int16 path (Q4_K, Q5_K and Q6_K have; others run blocked_linear)"));
   check_weight(weight, format, K);
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              say("int16_linear: x must be contiguous float32 [M, ", K, "]"));
+  check_rows_of_x(x, K, "int16_linear");
   const int64_t M = x.size(0), N = weight.size(0);
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;

@@ -64,9 +64,6 @@ constexpr int64_t FUSED_MAX_ROWS = 16;  // at most this many rows of x: weights 
 constexpr int FUSED_ROWS_OF_X_BLOCK32 = kVectorRegisters == 32 ? 8 : 4;
 constexpr int64_t SUPER = 256;  // columns of a K-quant super-block
 
-inline bool is_kquant(int64_t format) { return format == Q4_K || format == Q5_K || format == Q6_K; }
-// Where Q4_K's and Q5_K's 128 bytes of nibbles start (Q5_K's 32 bytes of fifth bits come first, at 16).
-inline constexpr int64_t nibbles_at(int64_t format) { return format == Q5_K ? 48 : 16; }
 
 inline int64_t padded(int64_t K) { return (K + CHUNK - 1) / CHUNK * CHUNK; }
 // Columns that share one coefficient (see the top of the file): a Q4_K or Q5_K sub-block's
@@ -1014,8 +1011,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, int64_t fo
   TORCH_CHECK(is_block_format(format), say("int8_linear: weight format ", format,
                   " has no int8 path (float formats run blocked_linear)"));
   check_weight(weight, format, K);
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              say("int8_linear: x must be contiguous float32 [M, ", K, "]"));
+  check_rows_of_x(x, K, "int8_linear");
   const int64_t M = x.size(0), N = weight.size(0), Kp = is_kquant(format) ? K : padded(K), row_bytes = weight.size(1);
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
