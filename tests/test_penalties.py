@@ -22,7 +22,10 @@ from draftwise.tree import ancestor_mask
 from tests.conftest import PROMPTS
 
 CASES = [PROMPTS[2], PROMPTS[8], PROMPTS[1]]  # code, a list, a code edit: outputs that repeat
-PENALTIES = [{"repetition_penalty": 1.3}, {"frequency_penalty": 0.8, "presence_penalty": 0.5}]
+# Penalties that change every case's greedy output yet leave drafts worth accepting: at 1.3 the
+# repetition penalty left SmolLM2's drafters 0-12 accepted tokens in all, 0 on one CI machine's
+# float32 rounding; at 1.1 they accept 20-77 under every activation setting (AMX Xeon, measured).
+PENALTIES = [{"repetition_penalty": 1.1}, {"frequency_penalty": 0.8, "presence_penalty": 0.5}]
 
 
 @pytest.fixture(scope="module")
@@ -55,17 +58,17 @@ def _reference(engine, prompt, num_tokens: int, penalties: dict) -> list[int]:
 
 @pytest.mark.parametrize("penalties", PENALTIES, ids=["repetition", "frequency+presence"])
 def test_greedy_with_penalties_is_the_definition_and_every_drafter_gives_it(engines, penalties):
-    changed, accepted = 0, 0
+    changed, accepted = 0, dict.fromkeys(("ngram", "eagle", "medusa"), 0)
     for prompt in CASES:
         plain = engines["none"].generate(prompt, max_new_tokens=40, **penalties)
         assert plain.token_ids == _reference(engines["none"], prompt, len(plain.token_ids), penalties)
         changed += plain.token_ids != engines["none"].generate(prompt, max_new_tokens=40).token_ids
-        for name in ("ngram", "eagle", "medusa"):
+        for name in accepted:
             result = engines[name].generate(prompt, max_new_tokens=40, **penalties)
             assert result.token_ids == plain.token_ids, name
-            accepted += result.metrics.num_accepted_tokens
+            accepted[name] += result.metrics.num_accepted_tokens
     assert changed >= 2  # the penalty really changed outputs
-    assert accepted > 0  # and drafts (chains and trees) were verified under it
+    assert all(accepted.values()), accepted  # and every drafter's drafts (chains and trees) were verified under it
 
 
 def test_a_seeded_sample_with_penalties_is_the_same_text_with_every_drafter(engines):
