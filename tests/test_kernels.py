@@ -177,26 +177,6 @@ def test_int8_activations_compute_the_blocks_times_the_rounded_input(kernels, fo
         assert (got - unrounded[:rows]).abs().max() < 0.05 * unrounded.abs().max()
 
 
-@pytest.mark.parametrize("format", [WeightFormat.Q4_K, WeightFormat.Q5_K, WeightFormat.Q6_K, WeightFormat.Q4_1,
-                                    WeightFormat.Q8_0])
-def test_int8_rows_are_bit_identical_whatever_rows_are_beside_them(kernels, format):
-    # 47 weight rows: the unpacked path's last item of 16 rows ends on a lone weight row
-    data, num_columns = dict(CASES)[format](format, 47)
-    weight = BlockWeight(data, format, num_columns)
-    weight.activations = "int8"
-    torch.manual_seed(1)
-    x = torch.randn(200, num_columns)
-    alone = torch.cat([weight.matmul(x[i:i + 1]) for i in range(200)])
-    # in registers: up to 16 rows, in passes of at most 9 (AVX-512) or 4 (AVX2: 5 = 2 + 3, 7 = 3 + 4,
-    # 10 = 3 + 3 + 4); from 17 the unpacked path, whose tiles take 4 rows of x at a time (AVX2's
-    # K-quant tile: 6), so 17, 19, 21, 22 and 80 end on every smaller tile: 17 = 6 + 6 + 5,
-    # 19 = ... + 1, 21 = ... + 3, 22 = ... + 4, 80 = 13 x 6 + 2 (with 4: + 1, + 3, + 1, + 2, + 0);
-    # 80, 97 and 200 span several of its row tiles (at least 64 rows, cut evenly)
-    for group in (3, 5, 7, 9, 10, 16, 17, 19, 21, 22, 80, 97, 200):
-        together = torch.cat([weight.matmul(x[i:i + group]) for i in range(0, 200, group)])
-        assert torch.equal(together, alone), f"rows differ when computed {group} at a time"
-
-
 @pytest.mark.parametrize("format", [WeightFormat.Q4_0, WeightFormat.Q4_1, WeightFormat.Q5_0, WeightFormat.Q5_1,
                                     WeightFormat.Q8_0], ids=lambda f: f.name)
 @pytest.mark.parametrize("num_columns", [96, 576])  # 96: a last 64-column step with one block
@@ -248,20 +228,35 @@ def test_int16_activations_compute_the_blocks_times_the_rounded_input(kernels, f
         assert (got - unrounded[:rows]).abs().max() < 0.02 * int8_error
 
 
-@pytest.mark.parametrize("format", [WeightFormat.Q4_K, WeightFormat.Q5_K, WeightFormat.Q6_K], ids=lambda f: f.name)
-def test_int16_rows_are_bit_identical_whatever_rows_are_beside_them(kernels, format):
-    # 47 weight rows: the tile path's last item of 16 rows ends on a lone weight row
+# The groups of rows of x that end on every path and every smaller tile of each integer kernel.
+# int8: in registers up to 16 rows, in passes of at most 9 (AVX-512) or 4 (AVX2: 5 = 2 + 3,
+# 7 = 3 + 4, 10 = 3 + 3 + 4); from 17 the unpacked path, whose tiles take 4 rows of x at a time
+# (AVX2's K-quant tile: 6), so 17, 19, 21, 22 and 80 end on every smaller tile: 17 = 6 + 6 + 5,
+# 19 = ... + 1, 21 = ... + 3, 22 = ... + 4, 80 = 13 x 6 + 2 (with 4: + 1, + 3, + 1, + 2, + 0);
+# 80, 97 and 200 span several of its row tiles (at least 64 rows, cut evenly).
+# int16: up to 12 rows (AVX-512 VNNI: 24) the decode path, in even groups of at most 8 (12; 9 =
+# 5 + 4, 13 = 7 + 6; Q4_K and Q6_K in registers, Q5_K unpacked into L1); beyond, the tile path, 4
+# rows of x by 2 (AVX-512: 4, then 2, 1) weight rows at a time, in row tiles of at most 96: 13, 14,
+# 15 (AVX-512: 25, 26, 27) end on every smaller block, 97 and 200 span several row tiles.
+ROW_GROUPS = {"int8": (3, 5, 7, 9, 10, 16, 17, 19, 21, 22, 80, 97, 200),
+              "int16": (2, 3, 5, 8, 9, 12, 13, 14, 15, 24, 25, 26, 27, 97, 200)}
+INTEGER_ROW_CASES = [("int8", format) for format in (WeightFormat.Q4_K, WeightFormat.Q5_K, WeightFormat.Q6_K,
+                                                     WeightFormat.Q4_1, WeightFormat.Q8_0)] + \
+                    [("int16", format) for format in (WeightFormat.Q4_K, WeightFormat.Q5_K, WeightFormat.Q6_K)]
+
+
+@pytest.mark.parametrize("activations, format", INTEGER_ROW_CASES,
+                         ids=[f"{activations}-{format.name}" for activations, format in INTEGER_ROW_CASES])
+def test_integer_rows_are_bit_identical_whatever_rows_are_beside_them(kernels, activations, format):
+    # 47 weight rows: the unpacked (int8) and tile (int16) paths' last item of 16 rows ends on a
+    # lone weight row
     data, num_columns = dict(CASES)[format](format, 47)
     weight = BlockWeight(data, format, num_columns)
-    weight.activations = "int16"
+    weight.activations = activations
     torch.manual_seed(1)
     x = torch.randn(200, num_columns)
     alone = torch.cat([weight.matmul(x[i:i + 1]) for i in range(200)])
-    # up to 12 rows: the decode path, in even groups of at most 8 (9 = 5 + 4; AVX2: Q4_K and Q6_K
-    # in registers, Q5_K unpacked into L1); from 13 the tile path, 4 rows of x by 2 weight rows at a
-    # time, in row tiles of at most 96: 13, 14, 15 end on every smaller block, 97 and 200 span
-    # several row tiles
-    for group in (2, 3, 5, 8, 9, 12, 13, 14, 15, 97, 200):
+    for group in ROW_GROUPS[activations]:
         together = torch.cat([weight.matmul(x[i:i + group]) for i in range(0, 200, group)])
         assert torch.equal(together, alone), f"rows differ when computed {group} at a time"
 
