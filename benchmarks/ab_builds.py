@@ -8,10 +8,12 @@ the rounds, and their ratio.
     python benchmarks/ab_builds.py /tmp/before . --matrix layers.0.mlp.gate_proj --rows 1 --threads 1
     python benchmarks/ab_builds.py llama.cpp . --activations int8 --forward 1 --prefill 2048 --rounds 2
     python benchmarks/ab_builds.py /tmp/before . --activations int8 --attention 2048@0 1@2047 --calls 3
+    python benchmarks/ab_builds.py . . --activations bf16 int16 --forward 1 9 --prefill 512 --rounds 4
 
 A side is a checkout's folder (its draftwise is imported through PYTHONPATH, and builds its own
 kernels on first use) or `llama.cpp` (llama-cpp-python on the model's GGUF file: forwards and
-prefill only). Two builds of the kernels cannot be compared inside one process: glibc's dlopen
+prefill only). `--activations A B` gives the two sides different settings (one checkout against
+itself: two activation settings side by side). Two builds of the kernels cannot be compared inside one process: glibc's dlopen
 hands back the first draftwise_kernels.so for the second (the same SONAME), so both would be one.
 Forwards follow a 64-token prompt and are rolled back after each; --matrix times one product of
 the first layer's (or the LM head's) weight, as benchmarks/kernel_cost.py names them; --attention
@@ -137,7 +139,7 @@ def worker(side: str, model_name: str, activations: str, threads: int) -> None:
         print(best, flush=True)
 
 
-def start(side: str, args: argparse.Namespace) -> subprocess.Popen:
+def start(side: str, activations: str, args: argparse.Namespace) -> subprocess.Popen:
     env = dict(os.environ)
     if side == "llama.cpp" and importlib.util.find_spec("llama_cpp") is None:
         raise SystemExit("ab_builds: llama-cpp-python is not installed: pip install 'draftwise[llamacpp]' "
@@ -149,7 +151,7 @@ def start(side: str, args: argparse.Namespace) -> subprocess.Popen:
                              "nor `llama.cpp`; give a folder such as a `git worktree add` of the commit to compare")
         env["PYTHONPATH"] = str(folder)
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", side, "--model", args.model,
-               "--activations", args.activations, "--threads", str(args.threads)]
+               "--activations", activations, "--threads", str(args.threads)]
     process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     if process.stdout.readline().strip() != "ready":
         raise SystemExit(f"ab_builds: the {side} side did not start (its error is above)")
@@ -170,7 +172,8 @@ def main() -> None:
     parser.add_argument("before", nargs="?", help="a draftwise checkout's folder, or llama.cpp")
     parser.add_argument("after", nargs="?", help="a draftwise checkout's folder, or llama.cpp")
     parser.add_argument("--model", default="qwen2.5-coder-1.5b")
-    parser.add_argument("--activations", default="float32", help="the draftwise sides' (default float32)")
+    parser.add_argument("--activations", nargs="+", default=["float32"],
+                        help="the draftwise sides' (default float32); two values: the before side's, then the after side's")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--forward", nargs="*", type=int, default=[], help="tokens a forward, after a 64-token prompt")
     parser.add_argument("--prefill", nargs="*", type=int, default=[], help="prompt lengths, one forward each")
@@ -183,7 +186,7 @@ def main() -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        return worker(args.worker, args.model, args.activations, args.threads)
+        return worker(args.worker, args.model, args.activations[0], args.threads)
     jobs = ([f"forward {n}" for n in args.forward] + [f"prefill {n}" for n in args.prefill]
             + [f"matrix {name}@{args.rows}" for name in args.matrix]
             + [f"attention {size}" for size in args.attention])
@@ -196,7 +199,10 @@ def main() -> None:
     for size in args.attention:
         if not re.fullmatch(r"[1-9][0-9]*@[0-9]+", size):
             parser.error(f"--attention {size}: give NEW@CACHED, e.g. 2048@0 or 1@2047")
-    sides = {"before": start(args.before, args), "after": start(args.after, args)}
+    if len(args.activations) > 2:
+        parser.error("--activations takes one setting (both sides) or two (the before side's, then the after side's)")
+    settings = {"before": args.activations[0], "after": args.activations[-1]}
+    sides = {side: start(getattr(args, side), settings[side], args) for side in settings}
     times = {(side, job): [] for side in sides for job in jobs}
     for round_ in range(args.rounds):
         for job in jobs:
@@ -207,7 +213,8 @@ def main() -> None:
     for process in sides.values():
         process.stdin.close()
         process.wait()
-    print(f"{args.model}, {args.activations} activations, {args.threads} threads, {args.rounds} rounds taking turns; "
+    activations = settings["before"] if settings["before"] == settings["after"] else " / ".join(settings.values())
+    print(f"{args.model}, {activations} activations, {args.threads} threads, {args.rounds} rounds taking turns; "
           f"before = {args.before}, after = {args.after}")
     print("| job | before best / median, ms | after best / median, ms | before / after (best, median) |")
     print("|---|---|---|---|")
