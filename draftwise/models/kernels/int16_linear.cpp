@@ -271,37 +271,20 @@ inline __m256i broadcast_scale(__m256i scales_twice, int lane) {
   return _mm256_shuffle_epi8(scales_twice, _mm256_set1_epi16(int16_t((2 * lane + 1) << 8 | 2 * lane)));
 }
 
-// decode_row for Q4_K and Q6_K on AVX2 with every value in a register: the block's scales
-// broadcast from a register (a byte shuffle each) instead of through the stack, the weights
-// multiplied as they are unpacked (q4k_pair, q6k_group: unpack_block's values), the sums named.
-// The same integers as decode_row's, and the same float steps (scales_of's d and coefficients,
-// computed alike): perf showed decode_row's sums and scales spilled to the stack on AVX2.
-template <int64_t FORMAT, int NUM_X>
-void decode_row_avx2(const Rounded16& a, int64_t m, const uint8_t* row, float* y, int64_t K, int64_t N) {
-  const int64_t blocks = K / SUPER;
-  const int16_t* x[NUM_X];
-  const float* dx[NUM_X];
-  const float* sum[NUM_X];
-  v8 acc[NUM_X];
-  for (int i = 0; i < NUM_X; ++i) {
-    x[i] = a.q.data() + (m + i) * K;
-    dx[i] = a.d.data() + (m + i) * blocks;
-    sum[i] = a.sum.data() + (m + i) * K / 32;
-    acc[i] = v8{};
+// The weights of a Q4_K or Q6_K super-block as int16 vectors, for decode_row_vector: AVX2's 16
+// a register (vpmaddwd, then vpaddd) and AVX-512 VNNI's 32 (vpdpwssd). `unpack` calls add(k, w)
+// for each vector w of columns k.. of the block, fills Q4_K's coefficients, and returns d.
+
+struct Avx2Words {
+  using Lanes = __m256i;
+  static DRAFTWISE_ALWAYS_INLINE Lanes zero() { return _mm256_setzero_si256(); }
+  static DRAFTWISE_ALWAYS_INLINE Lanes multiply_add(Lanes lanes, Lanes w, const int16_t* x) {
+    return _mm256_add_epi32(lanes, _mm256_madd_epi16(w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))));
   }
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* block = row + b * Blocks<FORMAT>::BYTES;
-    for (int64_t line = 0; line < Blocks<FORMAT>::BYTES; line += 64) __builtin_prefetch(block + PREFETCH_AHEAD + line);
-    __m256i lanes[NUM_X];
-    for (int i = 0; i < NUM_X; ++i) lanes[i] = _mm256_setzero_si256();
-    const auto add = [&](int64_t k, __m256i w16) DRAFTWISE_INLINE_LAMBDA {
-#pragma GCC unroll 8
-      for (int i = 0; i < NUM_X; ++i)
-        lanes[i] = _mm256_add_epi32(lanes[i], _mm256_madd_epi16(w16, _mm256_loadu_si256(
-                                                  reinterpret_cast<const __m256i*>(x[i] + b * SUPER + k))));
-    };
-    float d;
-    alignas(32) float coef[8] = {};
+  static DRAFTWISE_ALWAYS_INLINE vi8 fold(Lanes lanes) { return (vi8)lanes; }
+
+  template <int64_t FORMAT, class Add>
+  static DRAFTWISE_ALWAYS_INLINE float unpack(const uint8_t* block, float* coef, Add&& add) {
     if constexpr (FORMAT == Q4_K) {
       const __m128i packed = q4k_scales_register(block + 4);  // scales 0..7, mins 8..15
       const __m256i scales = _mm256_cvtepu8_epi16(packed);
@@ -314,8 +297,8 @@ void decode_row_avx2(const Rounded16& a, int64_t m, const uint8_t* row, float* y
 #pragma GCC unroll 4
         for (int v = 0; v < 4; ++v) add(64 * pair + 16 * v, values[v]);
       }
-      d = half_value(block);
       _mm256_store_ps(coef, q4k_coefficients(packed, half_value(block + 2)));
+      return half_value(block);
     } else {
       const __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192)));
       const __m256i halves[2] = {_mm256_permute2x128_si256(scales, scales, 0x00),
@@ -326,51 +309,31 @@ void decode_row_avx2(const Rounded16& a, int64_t m, const uint8_t* row, float* y
 #pragma GCC unroll 8
         for (int g = 0; g < 8; ++g) add(128 * half + 16 * g, q6k_group(q, g, broadcast_scale(halves[half], g)));
       }
-      d = half_value(block + 208);
+      return half_value(block + 208);
     }
-#pragma GCC unroll 8
-    for (int i = 0; i < NUM_X; ++i)
-      acc[i] = finish_block(acc[i], (vi8)lanes[i], d, dx[i][b], coef, sum[i] + b * 8, FORMAT == Q4_K);
   }
-  for (int i = 0; i < NUM_X; ++i) y[(m + i) * N] = horizontal_sum(acc[i]);
-}
-#endif
+};
 
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-// decode_row_avx2 on 512-bit registers with AVX-512 VNNI: a register holds 32 w16, one Q4_K
-// sub-block (or two of Q6_K's 16-column groups), and vpdpwssd multiplies and adds in one
-// instruction what AVX2 does in two. Lane l of a register sums columns 2l and 2l + 1 of each
-// 32-column group; its two halves added (lanes l and l + 8) are AVX2's lane l, columns 2l and
-// 2l + 1 of each 16-column group: the same exact integers, then the same float steps.
+// On 512-bit registers with AVX-512 VNNI a register holds 32 w16, one Q4_K sub-block (or two of
+// Q6_K's 16-column groups), and vpdpwssd multiplies and adds in one instruction what AVX2 does in
+// two. Lane l of a register sums columns 2l and 2l + 1 of each 32-column group; its two halves
+// added (lanes l and l + 8) are AVX2's lane l, columns 2l and 2l + 1 of each 16-column group: the
+// same exact integers, then the same float steps.
 inline vi8 folded(__m512i lanes) {
   return (vi8)_mm256_add_epi32(_mm512_castsi512_si256(lanes), _mm512_extracti64x4_epi64(lanes, 1));
 }
 
-template <int64_t FORMAT, int NUM_X>
-void decode_row_avx512(const Rounded16& a, int64_t m, const uint8_t* row, float* y, int64_t K, int64_t N) {
-  const int64_t blocks = K / SUPER;
-  const int16_t* x[NUM_X];
-  const float* dx[NUM_X];
-  const float* sum[NUM_X];
-  v8 acc[NUM_X];
-  for (int i = 0; i < NUM_X; ++i) {
-    x[i] = a.q.data() + (m + i) * K;
-    dx[i] = a.d.data() + (m + i) * blocks;
-    sum[i] = a.sum.data() + (m + i) * K / 32;
-    acc[i] = v8{};
+struct Avx512Words {
+  using Lanes = __m512i;
+  static DRAFTWISE_ALWAYS_INLINE Lanes zero() { return _mm512_setzero_si512(); }
+  static DRAFTWISE_ALWAYS_INLINE Lanes multiply_add(Lanes lanes, Lanes w, const int16_t* x) {
+    return _mm512_dpwssd_epi32(lanes, w, _mm512_loadu_si512(x));
   }
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* block = row + b * Blocks<FORMAT>::BYTES;
-    for (int64_t line = 0; line < Blocks<FORMAT>::BYTES; line += 64) __builtin_prefetch(block + PREFETCH_AHEAD + line);
-    __m512i lanes[NUM_X];
-    for (int i = 0; i < NUM_X; ++i) lanes[i] = _mm512_setzero_si512();
-    const auto add = [&](int64_t k, __m512i w16) DRAFTWISE_INLINE_LAMBDA {
-#pragma GCC unroll 16
-      for (int i = 0; i < NUM_X; ++i)
-        lanes[i] = _mm512_dpwssd_epi32(lanes[i], w16, _mm512_loadu_si512(x[i] + b * SUPER + k));
-    };
-    float d;
-    alignas(32) float coef[8] = {};
+  static DRAFTWISE_ALWAYS_INLINE vi8 fold(Lanes lanes) { return folded(lanes); }
+
+  template <int64_t FORMAT, class Add>
+  static DRAFTWISE_ALWAYS_INLINE float unpack(const uint8_t* block, float* coef, Add&& add) {
     if constexpr (FORMAT == Q4_K) {
       const __m128i packed = q4k_scales_register(block + 4);  // scales 0..7, mins 8..15
       // the 8 scales as int16 in every 128-bit quarter; a byte shuffle puts scale j in all lanes
@@ -387,8 +350,8 @@ void decode_row_avx512(const Rounded16& a, int64_t m, const uint8_t* row, float*
         add(64 * pair, _mm512_mullo_epi16(_mm512_and_si512(bytes, mask), scale(2 * pair)));
         add(64 * pair + 32, _mm512_mullo_epi16(_mm512_srli_epi16(bytes, 4), scale(2 * pair + 1)));
       }
-      d = half_value(block);
       _mm256_store_ps(coef, q4k_coefficients(packed, half_value(block + 2)));
+      return half_value(block);
     } else {
       const __m128i scale_bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192));
       alignas(64) int8_t q[128];
@@ -406,11 +369,48 @@ void decode_row_avx512(const Rounded16& a, int64_t m, const uint8_t* row, float*
           add(128 * half + 16 * g, _mm512_mullo_epi16(values, _mm512_shuffle_epi8(half_scales, pick)));
         }
       }
-      d = half_value(block + 208);
+      return half_value(block + 208);
     }
+  }
+};
+using DecodeWords = Avx512Words;
+#else
+using DecodeWords = Avx2Words;
+#endif
+
+// decode_row for Q4_K and Q6_K with every value in a register: the block's scales broadcast from
+// a register (a byte shuffle each) instead of through the stack, the weights multiplied as they
+// are unpacked (Words::unpack: unpack_block's values), the sums named. The same integers as
+// decode_row's, and the same float steps (scales_of's d and coefficients, computed alike): perf
+// showed decode_row's sums and scales spilled to the stack on AVX2.
+template <int64_t FORMAT, int NUM_X, class Words>
+void decode_row_vector(const Rounded16& a, int64_t m, const uint8_t* row, float* y, int64_t K, int64_t N) {
+  const int64_t blocks = K / SUPER;
+  const int16_t* x[NUM_X];
+  const float* dx[NUM_X];
+  const float* sum[NUM_X];
+  v8 acc[NUM_X];
+  for (int i = 0; i < NUM_X; ++i) {
+    x[i] = a.q.data() + (m + i) * K;
+    dx[i] = a.d.data() + (m + i) * blocks;
+    sum[i] = a.sum.data() + (m + i) * K / 32;
+    acc[i] = v8{};
+  }
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = row + b * Blocks<FORMAT>::BYTES;
+    for (int64_t line = 0; line < Blocks<FORMAT>::BYTES; line += 64) __builtin_prefetch(block + PREFETCH_AHEAD + line);
+    typename Words::Lanes lanes[NUM_X];
+    for (int i = 0; i < NUM_X; ++i) lanes[i] = Words::zero();
+    // fully unrolled for every group size (an `unroll 8` left groups of 9-12 rows in memory)
+    const auto add = [&](int64_t k, typename Words::Lanes w16) DRAFTWISE_INLINE_LAMBDA {
+#pragma GCC unroll 16
+      for (int i = 0; i < NUM_X; ++i) lanes[i] = Words::multiply_add(lanes[i], w16, x[i] + b * SUPER + k);
+    };
+    alignas(32) float coef[8] = {};
+    const float d = Words::template unpack<FORMAT>(block, coef, add);
 #pragma GCC unroll 16
     for (int i = 0; i < NUM_X; ++i)
-      acc[i] = finish_block(acc[i], folded(lanes[i]), d, dx[i][b], coef, sum[i] + b * 8, FORMAT == Q4_K);
+      acc[i] = finish_block(acc[i], Words::fold(lanes[i]), d, dx[i][b], coef, sum[i] + b * 8, FORMAT == Q4_K);
   }
   for (int i = 0; i < NUM_X; ++i) y[(m + i) * N] = horizontal_sum(acc[i]);
 }
@@ -424,12 +424,9 @@ void decode_group(int64_t rows, const Rounded16& a, int64_t m, int64_t format, c
   if constexpr (NUM_X > 1) {
     if (rows < NUM_X) return decode_group<NUM_X - 1>(rows, a, m, format, row, y, K, N);
   }
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-  if (format == Q4_K) return decode_row_avx512<Q4_K, NUM_X>(a, m, row, y, K, N);
-  if (format == Q6_K) return decode_row_avx512<Q6_K, NUM_X>(a, m, row, y, K, N);
-#elif defined(__AVX2__)
-  if (format == Q4_K) return decode_row_avx2<Q4_K, NUM_X>(a, m, row, y, K, N);
-  if (format == Q6_K) return decode_row_avx2<Q6_K, NUM_X>(a, m, row, y, K, N);
+#if defined(__AVX2__)
+  if (format == Q4_K) return decode_row_vector<Q4_K, NUM_X, DecodeWords>(a, m, row, y, K, N);
+  if (format == Q6_K) return decode_row_vector<Q6_K, NUM_X, DecodeWords>(a, m, row, y, K, N);
 #endif
   decode_row<NUM_X>(a, m, format, row, y, K, N);
 }
@@ -476,7 +473,7 @@ void tile_step(const Rounded16& a, int64_t m, const Unpacked& u, int64_t n, v8* 
   for (int64_t b = k0 / SUPER; b < k1 / SUPER; ++b) {
     vi8 lanes[NUM_X][NUM_W] = {};
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-    // 32 columns a step, lanes folded as decode_row_avx512's: the same integers
+    // 32 columns a step, lanes folded as Avx512Words::fold: the same integers
     __m512i wide[NUM_X][NUM_W];
     for (int i = 0; i < NUM_X; ++i)
       for (int j = 0; j < NUM_W; ++j) wide[i][j] = _mm512_setzero_si512();

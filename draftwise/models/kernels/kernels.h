@@ -19,7 +19,8 @@ bool int8_dot_in_hardware();
 // The same product with each row of x rounded to 15 bits (a sign and 14) per 256 columns and exact
 // integer dot products (K-quant formats: Q4_K, Q5_K, Q6_K); see int16_linear.cpp.
 at::Tensor int16_linear(const at::Tensor& x, const at::Tensor& weight, int64_t format, int64_t K);
-// Whether this build multiplies int16 activations with vector instructions (AVX2's vpmaddwd; the
+// Whether this build multiplies int16 activations with vector instructions (AVX2's vpmaddwd, or
+// AVX-512 VNNI's vpdpwssd where the build has it; the
 // portable loops compute the same integers, much slower).
 bool int16_dot_in_hardware();
 // The same product with x and W's values rounded to bfloat16, products summed in float32 (any
