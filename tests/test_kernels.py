@@ -235,7 +235,7 @@ def test_int16_activations_compute_the_blocks_times_the_rounded_input(kernels, f
 # 19 = ... + 1, 21 = ... + 3, 22 = ... + 4, 80 = 13 x 6 + 2 (with 4: + 1, + 3, + 1, + 2, + 0);
 # 80, 97 and 200 span several of its row tiles (at least 64 rows, cut evenly).
 # int16: up to 12 rows (AVX-512 VNNI: 24) the decode path, in even groups of at most 8 (12; 9 =
-# 5 + 4, 13 = 7 + 6; Q4_K and Q6_K in registers, Q5_K unpacked into L1); beyond, the tile path, 4
+# 5 + 4, 13 = 7 + 6; Q4_K, Q5_K and Q6_K in registers); beyond, the tile path, 4
 # rows of x by 2 (AVX-512: 4, then 2, 1) weight rows at a time, in row tiles of at most 96: 13, 14,
 # 15 (AVX-512: 25, 26, 27) end on every smaller block, 97 and 200 span several row tiles.
 ROW_GROUPS = {"int8": (3, 5, 7, 9, 10, 16, 17, 19, 21, 22, 80, 97, 200),

@@ -83,10 +83,10 @@ def test_a_q5k_file_runs_its_blocks_with_the_same_bits_as_its_dequantised_weight
         assert torch.equal(stepped_logits(blocks.model, ids), stepped_logits(dense.model, ids)), f"prompt {prompt!r}"
 
 
-# int8 (Q5_K's integer dot products beside the other formats'), and the CPU's default where it
-# rounds (amx on an AMX Xeon, bf16 with AVX-512 BF16): both round the decoded floats of any block
-# format, Q5_K's too.
-ACTIVATIONS = list(dict.fromkeys(["float32", "int8", default_activations(own_blocks=True)]))
+# int8 and int16 (Q5_K's integer dot products: int16's in registers as its Q4_K's, beside the
+# other formats' float32), and the CPU's default where it rounds (amx on an AMX Xeon, bf16 with
+# AVX-512 BF16): both round the decoded floats of any block format, Q5_K's too.
+ACTIVATIONS = list(dict.fromkeys(["float32", "int8", "int16", default_activations(own_blocks=True)]))
 
 
 @pytest.mark.parametrize("activations", ACTIVATIONS)

@@ -153,6 +153,31 @@ inline void q4k_pair(const uint8_t* block, int pair, __m256i scale_low, __m256i 
     w[2 + half] = _mm256_mullo_epi16(_mm256_srli_epi16(bytes, 4), scale_high);
   }
 }
+// Q5_K's sub-blocks 2 pair and 2 pair + 1 as q4k_pair's four vectors: Q4_K's nibbles (from byte
+// 48) with each value's fifth bit put above them. fifth[half] holds qh's 16 bytes of that half
+// (columns 16 half .. 16 half + 15 of every sub-block) widened to int16 and shifted left by 4, so
+// sub-block j's bit of column l sits at bit 4 + j of lane l, and a shift right by j and a mask
+// bring it to bit 4.
+inline void q5k_pair(const uint8_t* block, int pair, const __m256i (&fifth)[2], __m256i scale_low, __m256i scale_high,
+                     __m256i (&w)[4]) {
+  const __m256i mask = _mm256_set1_epi16(15), bit = _mm256_set1_epi16(16);
+  for (int half = 0; half < 2; ++half) {
+    const uint8_t* nibbles = block + nibbles_at(Q5_K) + 32 * pair + 16 * half;
+    const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(nibbles)));
+    const __m256i low = _mm256_or_si256(_mm256_and_si256(bytes, mask),
+                                        _mm256_and_si256(_mm256_srli_epi16(fifth[half], 2 * pair), bit));
+    const __m256i high = _mm256_or_si256(_mm256_srli_epi16(bytes, 4),
+                                         _mm256_and_si256(_mm256_srli_epi16(fifth[half], 2 * pair + 1), bit));
+    w[half] = _mm256_mullo_epi16(low, scale_low);
+    w[2 + half] = _mm256_mullo_epi16(high, scale_high);
+  }
+}
+// Q5_K's qh (32 bytes from byte 16) as q5k_pair's fifth: each half widened and shifted left by 4.
+inline void q5k_fifth_bits(const uint8_t* block, __m256i (&fifth)[2]) {
+  for (int half = 0; half < 2; ++half)
+    fifth[half] = _mm256_slli_epi16(
+        _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16 + 16 * half))), 4);
+}
 // Q6_K's 16-column group g of a half, from values()'s int8 q - 32 and the group's scale in every
 // int16 lane: 16 w16.
 inline __m256i q6k_group(const int8_t* values, int g, __m256i scale) {
@@ -178,10 +203,16 @@ inline void unpack_block(int64_t format, const uint8_t* block, const Scales& s, 
     return;
   }
 #if defined(__AVX2__)
-  if (format == Q4_K) {
+  if (format == Q4_K || format == Q5_K) {
+    __m256i fifth[2];
+    if (format == Q5_K) q5k_fifth_bits(block, fifth);
     for (int pair = 0; pair < 4; ++pair) {
       __m256i values[4];
-      q4k_pair(block, pair, _mm256_set1_epi16(s.scale[2 * pair]), _mm256_set1_epi16(s.scale[2 * pair + 1]), values);
+      const __m256i low = _mm256_set1_epi16(s.scale[2 * pair]), high = _mm256_set1_epi16(s.scale[2 * pair + 1]);
+      if (format == Q5_K)
+        q5k_pair(block, pair, fifth, low, high, values);
+      else
+        q4k_pair(block, pair, low, high, values);
       for (int v = 0; v < 4; ++v) _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + 64 * pair + 16 * v), values[v]);
     }
     return;
@@ -271,9 +302,9 @@ inline __m256i broadcast_scale(__m256i scales_twice, int lane) {
   return _mm256_shuffle_epi8(scales_twice, _mm256_set1_epi16(int16_t((2 * lane + 1) << 8 | 2 * lane)));
 }
 
-// The weights of a Q4_K or Q6_K super-block as int16 vectors, for decode_row_vector: AVX2's 16
-// a register (vpmaddwd, then vpaddd) and AVX-512 VNNI's 32 (vpdpwssd). `unpack` calls add(k, w)
-// for each vector w of columns k.. of the block, fills Q4_K's coefficients, and returns d.
+// The weights of a Q4_K, Q5_K or Q6_K super-block as int16 vectors, for decode_row_vector: AVX2's
+// 16 a register (vpmaddwd, then vpaddd) and AVX-512 VNNI's 32 (vpdpwssd). `unpack` calls add(k, w)
+// for each vector w of columns k.. of the block, fills Q4_K's and Q5_K's coefficients, and returns d.
 
 struct Avx2Words {
   using Lanes = __m256i;
@@ -285,15 +316,20 @@ struct Avx2Words {
 
   template <int64_t FORMAT, class Add>
   static DRAFTWISE_ALWAYS_INLINE float unpack(const uint8_t* block, float* coef, Add&& add) {
-    if constexpr (FORMAT == Q4_K) {
+    if constexpr (FORMAT == Q4_K || FORMAT == Q5_K) {
       const __m128i packed = q4k_scales_register(block + 4);  // scales 0..7, mins 8..15
       const __m256i scales = _mm256_cvtepu8_epi16(packed);
       const __m256i scales_twice = _mm256_permute2x128_si256(scales, scales, 0x00);
+      __m256i fifth[2];
+      if constexpr (FORMAT == Q5_K) q5k_fifth_bits(block, fifth);
 #pragma GCC unroll 4
       for (int pair = 0; pair < 4; ++pair) {
         __m256i values[4];
-        q4k_pair(block, pair, broadcast_scale(scales_twice, 2 * pair), broadcast_scale(scales_twice, 2 * pair + 1),
-                 values);
+        const __m256i low = broadcast_scale(scales_twice, 2 * pair), high = broadcast_scale(scales_twice, 2 * pair + 1);
+        if constexpr (FORMAT == Q5_K)
+          q5k_pair(block, pair, fifth, low, high, values);
+        else
+          q4k_pair(block, pair, low, high, values);
 #pragma GCC unroll 4
         for (int v = 0; v < 4; ++v) add(64 * pair + 16 * v, values[v]);
       }
@@ -334,21 +370,33 @@ struct Avx512Words {
 
   template <int64_t FORMAT, class Add>
   static DRAFTWISE_ALWAYS_INLINE float unpack(const uint8_t* block, float* coef, Add&& add) {
-    if constexpr (FORMAT == Q4_K) {
+    if constexpr (FORMAT == Q4_K || FORMAT == Q5_K) {
       const __m128i packed = q4k_scales_register(block + 4);  // scales 0..7, mins 8..15
       // the 8 scales as int16 in every 128-bit quarter; a byte shuffle puts scale j in all lanes
       const __m512i scales = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(packed));
       const __m512i mask = _mm512_set1_epi16(15);
+      // Q5_K: qh's 32 bytes widened and shifted left by 4, sub-block j's fifth bits at bit 4 + j
+      // (q5k_pair's, 32 columns a register)
+      __m512i fifth = _mm512_setzero_si512();
+      if constexpr (FORMAT == Q5_K)
+        fifth = _mm512_slli_epi16(
+            _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16))), 4);
 #pragma GCC unroll 4
       for (int pair = 0; pair < 4; ++pair) {
         // sub-blocks 2 pair and 2 pair + 1: the low and the high nibbles of the same 32 bytes
-        const __m512i bytes =
-            _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16 + 32 * pair)));
+        const __m512i bytes = _mm512_cvtepu8_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + nibbles_at(FORMAT) + 32 * pair)));
         const auto scale = [&](int j) {
           return _mm512_shuffle_epi8(scales, _mm512_set1_epi16(int16_t((2 * j + 1) << 8 | 2 * j)));
         };
-        add(64 * pair, _mm512_mullo_epi16(_mm512_and_si512(bytes, mask), scale(2 * pair)));
-        add(64 * pair + 32, _mm512_mullo_epi16(_mm512_srli_epi16(bytes, 4), scale(2 * pair + 1)));
+        __m512i low = _mm512_and_si512(bytes, mask), high = _mm512_srli_epi16(bytes, 4);
+        if constexpr (FORMAT == Q5_K) {
+          const __m512i bit = _mm512_set1_epi16(16);
+          low = _mm512_or_si512(low, _mm512_and_si512(_mm512_srli_epi16(fifth, 2 * pair), bit));
+          high = _mm512_or_si512(high, _mm512_and_si512(_mm512_srli_epi16(fifth, 2 * pair + 1), bit));
+        }
+        add(64 * pair, _mm512_mullo_epi16(low, scale(2 * pair)));
+        add(64 * pair + 32, _mm512_mullo_epi16(high, scale(2 * pair + 1)));
       }
       _mm256_store_ps(coef, q4k_coefficients(packed, half_value(block + 2)));
       return half_value(block);
@@ -378,7 +426,7 @@ using DecodeWords = Avx512Words;
 using DecodeWords = Avx2Words;
 #endif
 
-// decode_row for Q4_K and Q6_K with every value in a register: the block's scales broadcast from
+// decode_row for Q4_K, Q5_K and Q6_K with every value in a register: the block's scales broadcast from
 // a register (a byte shuffle each) instead of through the stack, the weights multiplied as they
 // are unpacked (Words::unpack: unpack_block's values), the sums named. The same integers as
 // decode_row's, and the same float steps (scales_of's d and coefficients, computed alike): perf
@@ -410,7 +458,7 @@ void decode_row_vector(const Rounded16& a, int64_t m, const uint8_t* row, float*
     const float d = Words::template unpack<FORMAT>(block, coef, add);
 #pragma GCC unroll 16
     for (int i = 0; i < NUM_X; ++i)
-      acc[i] = finish_block(acc[i], Words::fold(lanes[i]), d, dx[i][b], coef, sum[i] + b * 8, FORMAT == Q4_K);
+      acc[i] = finish_block(acc[i], Words::fold(lanes[i]), d, dx[i][b], coef, sum[i] + b * 8, FORMAT != Q6_K);
   }
   for (int i = 0; i < NUM_X; ++i) y[(m + i) * N] = horizontal_sum(acc[i]);
 }
@@ -426,6 +474,7 @@ void decode_group(int64_t rows, const Rounded16& a, int64_t m, int64_t format, c
   }
 #if defined(__AVX2__)
   if (format == Q4_K) return decode_row_vector<Q4_K, NUM_X, DecodeWords>(a, m, row, y, K, N);
+  if (format == Q5_K) return decode_row_vector<Q5_K, NUM_X, DecodeWords>(a, m, row, y, K, N);
   if (format == Q6_K) return decode_row_vector<Q6_K, NUM_X, DecodeWords>(a, m, row, y, K, N);
 #endif
   decode_row<NUM_X>(a, m, format, row, y, K, N);
