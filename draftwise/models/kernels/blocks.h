@@ -375,6 +375,66 @@ struct Blocks<Q4_K> {
 #endif
 };
 
+// 16 bytes -> their low nibbles into low[0..15], their high nibbles into high[0..15].
+inline void nibbles(const uint8_t* in, uint8_t* low, uint8_t* high) {
+#if defined(__SSE2__)
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in));
+  const __m128i mask = _mm_set1_epi8(15);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(low), _mm_and_si128(v, mask));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(high), _mm_and_si128(_mm_srli_epi16(v, 4), mask));
+#else
+  for (int i = 0; i < 16; ++i) {
+    low[i] = in[i] & 15;
+    high[i] = in[i] >> 4;
+  }
+#endif
+}
+
+// Q6_K: 64 low-nibble bytes and 32 two-bit bytes -> 128 six-bit values in column order:
+// value l + 32 s (s = 0..3) = nibble (s / 2) of ql[l + 32 (s % 2)] | bits (2 s) of qh[l] << 4.
+inline void six_bits(const uint8_t* ql, const uint8_t* qh, uint8_t* out) {
+#if defined(__SSE2__)
+  const __m128i low_mask = _mm_set1_epi8(15), high_mask = _mm_set1_epi8(0x30);
+  for (int l = 0; l < 32; l += 16) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ql + l));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ql + 32 + l));
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qh + l));
+    const __m128i values[4] = {
+        _mm_or_si128(_mm_and_si128(a, low_mask), _mm_and_si128(_mm_slli_epi16(h, 4), high_mask)),
+        _mm_or_si128(_mm_and_si128(b, low_mask), _mm_and_si128(_mm_slli_epi16(h, 2), high_mask)),
+        _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a, 4), low_mask), _mm_and_si128(h, high_mask)),
+        _mm_or_si128(_mm_and_si128(_mm_srli_epi16(b, 4), low_mask), _mm_and_si128(_mm_srli_epi16(h, 2), high_mask))};
+    for (int s = 0; s < 4; ++s) _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 32 * s + l), values[s]);
+  }
+#else
+  for (int s = 0; s < 4; ++s)
+    for (int l = 0; l < 32; ++l)
+      out[32 * s + l] = uint8_t(((ql[l + 32 * (s % 2)] >> (4 * (s / 2))) & 15) | ((qh[l] >> (2 * s)) & 3) << 4);
+#endif
+}
+
+// A K-quant super-block's 256 values in column order, unsigned: Q4_K's nibbles (0..15), Q5_K's
+// nibbles with their fifth bits (0..31: bit j of qh[l] for column l of sub-block j), Q6_K's six
+// bits (0..63, the weight's q - 32 plus 32). The integer kernels' unpacked rows (int8_linear) and
+// portable loops (int16_linear) read them; the scales stay where each kernel wants them.
+inline void kquant_values(int64_t format, const uint8_t* block, uint8_t* q) {
+  if (format == Q6_K) {
+    six_bits(block, block + 128, q);
+    six_bits(block + 64, block + 160, q + 128);
+    return;
+  }
+  const uint8_t* qs = block + nibbles_at(format);
+  for (int pair = 0; pair < 4; ++pair) {  // 32 bytes: sub-block 2 pair in the low nibbles, 2 pair + 1 in the high
+    nibbles(qs + 32 * pair, q + 64 * pair, q + 64 * pair + 32);
+    nibbles(qs + 32 * pair + 16, q + 64 * pair + 16, q + 64 * pair + 48);
+  }
+  if (format == Q5_K) {
+    const uint8_t* qh = block + 16;
+    for (int j = 0; j < 8; ++j)
+      for (int l = 0; l < 32; ++l) q[32 * j + l] |= ((qh[l] >> j) & 1) << 4;
+  }
+}
+
 // Q5_K (Q5_K_M files' main format): Q4_K's d, dmin and 12 bytes of 6-bit scales and mins, then
 // 32 bytes of high bits, then Q4_K's 128 bytes of nibbles; the value of column l of sub-block j is
 // its nibble | bit j of qh[l] << 4, and w = d * scale_j * q - dmin * min_j. By the formula on

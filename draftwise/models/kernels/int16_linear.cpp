@@ -218,20 +218,9 @@ inline void unpack_block(int64_t format, const uint8_t* block, const Scales& s, 
     return;
   }
 #endif
-  const uint8_t* nibbles = block + nibbles_at(format);
-  const uint8_t* fifth = block + 16;  // Q5_K: bit j of fifth[l] is the fifth bit of column l of sub-block j
-  for (int pair = 0; pair < 4; ++pair) {
-    const int j = 2 * pair;
-    for (int l = 0; l < 32; ++l) {
-      int low = nibbles[32 * pair + l] & 15, high = nibbles[32 * pair + l] >> 4;
-      if (format == Q5_K) {
-        low |= ((fifth[l] >> j) & 1) << 4;
-        high |= ((fifth[l] >> (j + 1)) & 1) << 4;
-      }
-      w[64 * pair + l] = int16_t(low * s.scale[j]);
-      w[64 * pair + 32 + l] = int16_t(high * s.scale[j + 1]);
-    }
-  }
+  alignas(64) uint8_t q[SUPER];
+  kquant_values(format, block, q);
+  for (int c = 0; c < SUPER; ++c) w[c] = int16_t(q[c] * s.scale[c / 32]);
 }
 
 // ---- the float steps every path shares --------------------------------------------------------

@@ -70,44 +70,6 @@ inline int64_t padded(int64_t K) { return (K + CHUNK - 1) / CHUNK * CHUNK; }
 // min, a Q6_K sub-block's offset (-32 times its scale), half a 32-weight block's offset.
 inline constexpr int64_t coefficient_group(int64_t format) { return format == Q4_K || format == Q5_K ? 32 : 16; }
 
-// 16 bytes -> their low nibbles into low[0..15], their high nibbles into high[0..15].
-inline void nibbles(const uint8_t* in, uint8_t* low, uint8_t* high) {
-#if defined(__SSE2__)
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in));
-  const __m128i mask = _mm_set1_epi8(15);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(low), _mm_and_si128(v, mask));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(high), _mm_and_si128(_mm_srli_epi16(v, 4), mask));
-#else
-  for (int i = 0; i < 16; ++i) {
-    low[i] = in[i] & 15;
-    high[i] = in[i] >> 4;
-  }
-#endif
-}
-
-// Q6_K: 64 low-nibble bytes and 32 two-bit bytes -> 128 six-bit values in column order:
-// value l + 32 s (s = 0..3) = nibble (s / 2) of ql[l + 32 (s % 2)] | bits (2 s) of qh[l] << 4.
-inline void six_bits(const uint8_t* ql, const uint8_t* qh, uint8_t* out) {
-#if defined(__SSE2__)
-  const __m128i low_mask = _mm_set1_epi8(15), high_mask = _mm_set1_epi8(0x30);
-  for (int l = 0; l < 32; l += 16) {
-    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ql + l));
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ql + 32 + l));
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qh + l));
-    const __m128i values[4] = {
-        _mm_or_si128(_mm_and_si128(a, low_mask), _mm_and_si128(_mm_slli_epi16(h, 4), high_mask)),
-        _mm_or_si128(_mm_and_si128(b, low_mask), _mm_and_si128(_mm_slli_epi16(h, 2), high_mask)),
-        _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a, 4), low_mask), _mm_and_si128(h, high_mask)),
-        _mm_or_si128(_mm_and_si128(_mm_srli_epi16(b, 4), low_mask), _mm_and_si128(_mm_srli_epi16(h, 2), high_mask))};
-    for (int s = 0; s < 4; ++s) _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 32 * s + l), values[s]);
-  }
-#else
-  for (int s = 0; s < 4; ++s)
-    for (int l = 0; l < 32; ++l)
-      out[32 * s + l] = uint8_t(((ql[l + 32 * (s % 2)] >> (4 * (s / 2))) & 15) | ((qh[l] >> (2 * s)) & 3) << 4);
-#endif
-}
-
 template <typename T>
 inline void fill(T* out, int count, T value) {
   for (int i = 0; i < count; ++i) out[i] = value;
@@ -295,20 +257,11 @@ void unpack_kquant_row(int64_t format, const uint8_t* row, int64_t K, uint8_t* u
                        float* coef, int16_t* offset) {
   const int64_t block_bytes = layout(format).bytes;
   for (int64_t b = 0; b < K / SUPER; ++b, u += SUPER, sub += SUPER / 2, coef += 8, offset += 16) {
+    kquant_values(format, row, u);
     if (format == Q4_K || format == Q5_K) {
       const float dmin = half_to_float(row + 2);
       d[b] = half_to_float(row);
       const uint8_t* sc = row + 4;  // 8 six-bit scales and 8 six-bit mins
-      const uint8_t* qs = row + nibbles_at(format);
-      for (int pair = 0; pair < 4; ++pair) {  // 32 bytes: sub-block 2p in low nibbles, 2p+1 in high
-        nibbles(qs + 32 * pair, u + 64 * pair, u + 64 * pair + 32);
-        nibbles(qs + 32 * pair + 16, u + 64 * pair + 16, u + 64 * pair + 48);
-      }
-      if (format == Q5_K) {  // bit j of qh[l]: the fifth bit of value l of sub-block j
-        const uint8_t* qh = row + 16;
-        for (int j = 0; j < 8; ++j)
-          for (int l = 0; l < 32; ++l) u[32 * j + l] |= ((qh[l] >> j) & 1) << 4;
-      }
       uint8_t scales[16];
       q4k_scales(sc, scales);
       for (int j = 0; j < 8; ++j) {
@@ -319,8 +272,6 @@ void unpack_kquant_row(int64_t format, const uint8_t* row, int64_t K, uint8_t* u
     } else {  // Q6_K
       const int8_t* sc = reinterpret_cast<const int8_t*>(row + 192);
       d[b] = half_to_float(row + 208);
-      six_bits(row, row + 128, u);
-      six_bits(row + 64, row + 160, u + 128);
       for (int g = 0; g < 16; ++g) {
         fill<int16_t>(sub + 8 * g, 8, int16_t(sc[g]));
         offset[g] = int16_t(32 * sc[g]);
