@@ -22,7 +22,7 @@ from draftwise.drafters.eagle import EagleDrafter, compact_copy
 from draftwise.drafters.medusa import MedusaDrafter
 from draftwise.engine import Engine
 from draftwise.errors import ConfigError
-from draftwise.heads import head_for
+from draftwise.heads import SHIPPED, head_for
 from draftwise.heads.eagle import FORMAT_VERSION, EagleConfig, EagleHead, load_head, read_head_files
 from draftwise.heads.medusa import load_medusa
 from tests.conftest import PROMPTS
@@ -151,6 +151,20 @@ def test_no_shipped_head_for_a_target_names_the_training_command():
         head_for("gemma3-270m", "eagle")
     with pytest.raises(ConfigError, match="no medusa head is shipped for qwen2.5-coder-1.5b"):
         head_for("qwen2.5-coder-1.5b", "medusa")
+
+
+def test_a_model_of_a_shipped_heads_shape_is_told_which_head_fits(smollm2):
+    """A packaged model's file in another quantization (or a copy under another name) has no head
+    shipped under its own name: the error names the shipped head of its shape, and only that one."""
+    with pytest.raises(ConfigError) as refused:
+        head_for("/models/SmolLM2-135M-Instruct-Q8_0.gguf", "eagle", smollm2.model.shape)
+    message = str(refused.value)
+    assert "The shipped eagle head for smollm2-135m fits" in message
+    assert f"pass --head {SHIPPED / 'smollm2-135m' / 'eagle'}." in message
+    assert "head for qwen2.5-coder-1.5b fits" not in message
+    with pytest.raises(ConfigError) as refused:
+        head_for("my-model.gguf", "eagle", replace(smollm2.model.shape, hidden_size=512))
+    assert "--head" in str(refused.value) and "fits this model's shape" not in str(refused.value)
 
 
 @pytest.mark.parametrize("drafter, head, message", [

@@ -53,7 +53,7 @@ def _build_eagle(spec: SpecConfig, target: LoadedModel, dtype: str, progress: bo
     from draftwise.heads.eagle import load_head
 
     _check_native(target)
-    return EagleDrafter(load_head(spec.head or head_for(target.model.info.name, "eagle"), target.model), target.model)
+    return EagleDrafter(load_head(spec.head or head_for(target.model.info.name, "eagle", target.model.shape), target.model), target.model)
 
 
 def _build_medusa(spec: SpecConfig, target: LoadedModel, dtype: str, progress: bool) -> Drafter:
@@ -62,7 +62,7 @@ def _build_medusa(spec: SpecConfig, target: LoadedModel, dtype: str, progress: b
     from draftwise.heads.medusa import load_medusa
 
     _check_native(target)
-    return MedusaDrafter(load_medusa(spec.head or head_for(target.model.info.name, "medusa"), target.model), target.model)
+    return MedusaDrafter(load_medusa(spec.head or head_for(target.model.info.name, "medusa", target.model.shape), target.model), target.model)
 
 
 def _check_native(target: LoadedModel) -> None:

@@ -11,15 +11,39 @@ from draftwise.errors import ConfigError
 SHIPPED = Path(__file__).resolve().parent / "shipped"  # shipped/<target registry name>/<kind>/
 
 
-def head_for(target_name: str, kind: str) -> Path:
-    """The head of this kind shipped for a packaged target, or a clear error saying how to train one."""
+def head_for(target_name: str, kind: str, shape=None) -> Path:
+    """The head of this kind shipped for a packaged target, or a clear error saying how to train one.
+    shape: the loaded target's DecoderShape, where there is one; a shipped head of this kind that
+    fits it (a packaged model's own file in another quantization, or a copy under another name)
+    is then named in the error, to pass with --head."""
     folder = SHIPPED / target_name / kind
     if not (folder / "head.json").is_file():
         shipped = sorted(f"{p.parent.name}/{p.name}" for p in SHIPPED.glob("*/*") if p.is_dir()) if SHIPPED.is_dir() else []
-        raise ConfigError(f"no {kind} head is shipped for {target_name} (shipped: {', '.join(shipped) or 'none'}): "
-                          f"train one with `draftwise train --kind {kind} --target {target_name} --out DIR` "
-                          f"and pass --head DIR/{kind}.")
+        message = (f"no {kind} head is shipped for {target_name} (shipped: {', '.join(shipped) or 'none'}): "
+                   f"train one with `draftwise train --kind {kind} --target {target_name} --out DIR` "
+                   f"and pass --head DIR/{kind}.")
+        fitting = [] if shape is None else _shipped_heads_fitting(kind, shape)
+        if fitting:
+            name, path = fitting[0]
+            message += (f" The shipped {kind} head for {name} fits this model's shape (hidden size "
+                        f"{shape.hidden_size}, vocabulary {shape.vocab_size}): if this is {name} in another "
+                        f"quantization or under another name, pass --head {path}. A head for another model of "
+                        "the same shape drafts worse but never changes the output.")
+        raise ConfigError(message)
     return folder
+
+
+def _shipped_heads_fitting(kind: str, shape) -> list[tuple[str, Path]]:
+    """(target name, folder) of each shipped head of this kind that check_target would accept."""
+    import json
+
+    fitting = []
+    for config_path in sorted(SHIPPED.glob(f"*/{kind}/head.json")):
+        config = json.loads(config_path.read_text())
+        if config.get("hidden_size") == shape.hidden_size and config.get("target_vocab_size") == shape.vocab_size \
+                and max(config.get("hidden_layers") or [0]) <= shape.num_layers:
+            fitting.append((config_path.parent.parent.name, config_path.parent))
+    return fitting
 
 
 def check_target(config, target_model) -> None:
