@@ -11,7 +11,7 @@ import torch
 
 from draftwise.errors import ConfigError
 from draftwise.models.linear import BlockLinear, BlockWeight, WeightFormat, use_activations
-from tests.test_kernels import CASES, kernels, real_blocks, synthetic_blocks  # noqa: F401 (a fixture)
+from tests.test_kernels import CASES, kernels, synthetic_blocks  # noqa: F401 (a fixture)
 
 
 def dot_pairs_reference(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -55,10 +55,12 @@ def test_bf16_activations_compute_the_rounded_products_in_the_dot_products_order
         assert (got.double() - unrounded[:rows]).abs().max() < 0.01 * unrounded.abs().max()
 
 
-@pytest.mark.parametrize("format", [WeightFormat.Q4_K, WeightFormat.Q6_K, WeightFormat.Q4_1, WeightFormat.F32])
+@pytest.mark.parametrize("format", [WeightFormat.Q4_K, WeightFormat.Q6_K, WeightFormat.Q3_K, WeightFormat.Q4_1,
+                                    WeightFormat.F32])
 def test_bf16_rows_are_bit_identical_whatever_rows_are_beside_them(kernels, format):
-    # Q4_K / Q6_K: the real tensors have 4864 columns, more than one 2048-column tile step
-    data, num_columns = real_blocks(format) if format != WeightFormat.F32 else synthetic_blocks(format, 37, 600)
+    # Q4_K / Q6_K (Q3_K: re-quantised from Q4_K): the real tensors have 4864 columns, more than one
+    # 2048-column tile step
+    data, num_columns = dict(CASES)[format](format) if format != WeightFormat.F32 else synthetic_blocks(format, 37, 600)
     weight = BlockWeight(data, format, num_columns)
     weight.activations = "bf16"
     torch.manual_seed(1)

@@ -477,6 +477,102 @@ struct Blocks<Q5_K> {
   }
 };
 
+// The decode of a format whose 256-weight blocks are 16 groups of 16 columns, each group a float
+// scale times int8 values (Q3_K, Q6_K): B::group_scales(block, out) gives the 16 scales as floats,
+// B::values(block, half, out) a half's 128 values; w = scale * float(value), one rounding.
+template <typename B, int R, typename Use>
+DRAFTWISE_ALWAYS_INLINE void decode_scaled_groups(const uint8_t* const* block, Use use) {
+  alignas(64) float scale[R][16];
+  for (int r = 0; r < R; ++r) B::group_scales(block[r], scale[r]);
+  in_memory(scale);
+#pragma GCC unroll 2
+  for (int half = 0; half < 2; ++half) {
+    alignas(64) int8_t q[R][128];
+    for (int r = 0; r < R; ++r) B::values(block[r], half, q[r]);
+#if defined(DRAFTWISE_V16_PAIR)
+    // AVX2: through memory, so each 8 values widen in one load-and-extend. Left in registers
+    // (GCC's choice) every 8 took a byte shift or lane extract and an extend, both on the
+    // two shuffle pipes (AMD EPYC Zen 3: Qwen2.5-Coder-1.5B's Q6_K 1536 x 8960 down_proj at one
+    // row, one thread, 1942 -> 1543 us; min over alternating processes).
+    in_memory(q);
+#endif
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; ++g) {  // columns 16 g .. 16 g + 15 of the half
+      v16 w[R];
+      for (int r = 0; r < R; ++r) w[r] = scale[r][8 * half + g] * to_float(widen_signed(q[r] + 16 * g));
+      use(8 * half + g, w);
+    }
+  }
+}
+
+// Q3_K (Q3_K_S/M/L files' main format): 32 bytes of high bits (hmask), 64 bytes of 2-bit lows
+// (qs), 12 bytes of sixteen 6-bit scales, d (float16); w = d * (scale_g - 32) * q for the 16
+// columns of group g, q = the low 2 bits, less 4 where the high bit is clear (-4..3). In half h
+// (128 columns), value l + 32 s (s = 0..3) = bits 2 s of qs[32 h + l], high bit 4 h + s of
+// hmask[l]. As gguf-py: (d * (scale - 32)) rounded once, then times q (Q6_K's two steps).
+template <>
+struct Blocks<Q3_K> {
+  static constexpr int64_t WEIGHTS = 256, BYTES = 110;
+
+  // Half h (128 columns) of a block -> its 128 values q as int8, in column order.
+  static DRAFTWISE_ALWAYS_INLINE void values(const uint8_t* block, int half, int8_t* out) {
+    const uint8_t* hmask = block;
+    const uint8_t* qs = block + 32 + 32 * half;
+#if defined(__AVX2__)
+    // 32 values (one s) per register; 16-bit shifts, then byte masks keep each byte's own bits.
+    const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
+    const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hmask));
+    const __m256i two = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+#pragma GCC unroll 4
+    for (int s = 0; s < 4; ++s) {
+      const __m256i q = _mm256_and_si256(_mm256_srli_epi16(low, 2 * s), two);
+      const __m256i clear = _mm256_andnot_si256(_mm256_srli_epi16(high, 4 * half + s), one);  // 1: subtract 4
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * s), _mm256_sub_epi8(q, _mm256_slli_epi16(clear, 2)));
+    }
+#else
+    for (int s = 0; s < 4; ++s)
+      for (int l = 0; l < 32; ++l)
+        out[32 * s + l] = int8_t(((qs[l] >> (2 * s)) & 3) - (((hmask[l] >> (4 * half + s)) & 1) ? 0 : 4));
+#endif
+  }
+
+  // The 16 scales, scale_g - 32: low 4 bits of g from byte g (g < 8) or the high nibble of byte
+  // g - 8, top 2 bits from bits 2 (g / 4) of byte 8 + g % 4.
+  static DRAFTWISE_ALWAYS_INLINE void scales(const uint8_t* block, int8_t* out) {
+    const uint8_t* packed = block + 96;
+#if defined(__SSE2__)
+    // Bytes 0..7 and their high nibbles side by side; the top bits as four words, word m holding
+    // bits 2 m of bytes 8..11 (scales 4 m .. 4 m + 3). Loads stay inside the block's 110 bytes.
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(packed)), nibble = _mm_set1_epi8(15);
+    const __m128i low = _mm_unpacklo_epi64(_mm_and_si128(bytes, nibble), _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble));
+    uint32_t top;
+    std::memcpy(&top, packed + 8, 4);
+    const uint32_t two = 0x03030303;
+    const __m128i high = _mm_setr_epi32(int(top & two), int((top >> 2) & two), int((top >> 4) & two), int((top >> 6) & two));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out),
+                     _mm_sub_epi8(_mm_or_si128(low, _mm_slli_epi16(high, 4)), _mm_set1_epi8(32)));
+#else
+    for (int g = 0; g < 16; ++g) {
+      const int low = g < 8 ? packed[g] & 15 : packed[g - 8] >> 4;
+      const int high = (packed[8 + g % 4] >> (2 * (g / 4))) & 3;
+      out[g] = int8_t((low | high << 4) - 32);
+    }
+#endif
+  }
+
+  // The 16 groups' d * (scale_g - 32).
+  static DRAFTWISE_ALWAYS_INLINE void group_scales(const uint8_t* block, float* out) {
+    alignas(16) int8_t sc[16];
+    scales(block, sc);
+    store16(out, splat_half(block + 108) * to_float(widen_signed(sc)));
+  }
+
+  template <int R, typename Use>
+  static DRAFTWISE_ALWAYS_INLINE void decode(const uint8_t* const* block, Use use) {
+    decode_scaled_groups<Blocks<Q3_K>, R>(block, use);
+  }
+};
+
 // Q6_K: 128 bytes of low nibbles, 64 bytes of 2-bit highs, 16 int8 scales, d (float16);
 // w = d * scale_g * (q - 32) for the 16 columns of group g. In each half of 128 columns, value
 // l + 32 s (s = 0..3) = nibble (s / 2) of ql[l + 32 (s % 2)] | bits (2 s) of qh[l] << 4.
@@ -521,32 +617,14 @@ struct Blocks<Q6_K> {
 #endif
   }
 
+  // The 16 groups' d * scale_g.
+  static DRAFTWISE_ALWAYS_INLINE void group_scales(const uint8_t* block, float* out) {
+    store16(out, splat_half(block + 208) * to_float(widen_signed(reinterpret_cast<const int8_t*>(block) + 192)));
+  }
+
   template <int R, typename Use>
   static DRAFTWISE_ALWAYS_INLINE void decode(const uint8_t* const* block, Use use) {
-    alignas(64) float scale[R][16];  // d * scale_g
-    for (int r = 0; r < R; ++r) {
-      const vi16 sc = widen_signed(reinterpret_cast<const int8_t*>(block[r]) + 192);
-      store16(scale[r], splat_half(block[r] + 208) * to_float(sc));
-    }
-    in_memory(scale);
-#pragma GCC unroll 2
-    for (int half = 0; half < 2; ++half) {
-      alignas(64) int8_t q[R][128];
-      for (int r = 0; r < R; ++r) values(block[r], half, q[r]);
-#if defined(DRAFTWISE_V16_PAIR)
-      // AVX2: through memory, so each 8 values widen in one load-and-extend. Left in registers
-      // (GCC's choice) every 8 took a byte shift or lane extract and an extend, both on the
-      // two shuffle pipes (AMD EPYC Zen 3: Qwen2.5-Coder-1.5B's 1536 x 8960 down_proj at one
-      // row, one thread, 1942 -> 1543 us; min over alternating processes).
-      in_memory(q);
-#endif
-#pragma GCC unroll 8
-      for (int g = 0; g < 8; ++g) {  // columns 16 g .. 16 g + 15 of the half
-        v16 w[R];
-        for (int r = 0; r < R; ++r) w[r] = scale[r][8 * half + g] * to_float(widen_signed(q[r] + 16 * g));
-        use(8 * half + g, w);
-      }
-    }
+    decode_scaled_groups<Blocks<Q6_K>, R>(block, use);
   }
 };
 
@@ -569,6 +647,7 @@ inline void with_blocks(int64_t format, Body body) {
     case Q5_0: return body(Blocks<Q5_0>{});
     case Q5_1: return body(Blocks<Q5_1>{});
     case Q8_0: return body(Blocks<Q8_0>{});
+    case Q3_K: return body(Blocks<Q3_K>{});
     case Q4_K: return body(Blocks<Q4_K>{});
     case Q5_K: return body(Blocks<Q5_K>{});
     case Q6_K: return body(Blocks<Q6_K>{});
@@ -578,7 +657,7 @@ inline void with_blocks(int64_t format, Body body) {
 
 inline bool is_block_format(int64_t format) {
   return format == Q4_0 || format == Q4_1 || format == Q5_0 || format == Q5_1 || format == Q8_0 ||
-         format == Q4_K || format == Q5_K || format == Q6_K;
+         format == Q3_K || format == Q4_K || format == Q5_K || format == Q6_K;
 }
 
 // One row of K weights from its format into out (float32), 16 at a time: blocks.h's values.
