@@ -1,9 +1,9 @@
-"""One matrix's product in Q3_K, Q4_K, Q5_K and float32 weights, ms (the minimum of --rounds
-products) for 1 / 4 / 9 / 16 / 64 rows of x, per activation setting: what a Q3_K_M or Q5_K_M file's
-matrices cost against its Q4_K_M sibling's and against the float32 copy they were dequantised into
-before Q3_K and Q5_K ran as blocks. The matrix is one of Qwen2.5-Coder-1.5B's Q4_K tensors, its
-values re-quantised to Q3_K and Q5_K (tests/q3k.py, tests/q5k.py), so all four hold nearly the
-same weights (Q3_K a little less near).
+"""One matrix's product in Q2_K, Q3_K, Q4_K, Q5_K and float32 weights, ms (the minimum of --rounds
+products) for 1 / 4 / 9 / 16 / 64 rows of x, per activation setting: what a Q2_K, Q3_K_M or Q5_K_M
+file's matrices cost against its Q4_K_M sibling's and against the float32 copy they were
+dequantised into before Q2_K, Q3_K and Q5_K ran as blocks. The matrix is one of
+Qwen2.5-Coder-1.5B's Q4_K tensors, its values re-quantised (tests/q2k.py, q3k.py, q5k.py), so all
+five hold nearly the same weights (the 2- and 3-bit ones less near).
 
     python benchmarks/block_format_cost.py --tensor blk.0.ffn_gate.weight --activations float32,amx
 
@@ -26,6 +26,7 @@ from draftwise.models import loading, registry  # noqa: E402
 from draftwise.models.gguf_index import read_index  # noqa: E402
 from draftwise.models.kernels import describe_machine, machine, native_kernels  # noqa: E402
 from draftwise.models.linear import INT8_FORMATS, BlockWeight, WeightFormat  # noqa: E402
+from tests.q2k import quantize_q2_k  # noqa: E402
 from tests.q3k import quantize_q3_k  # noqa: E402
 from tests.q5k import quantize_q5_k  # noqa: E402
 
@@ -47,7 +48,8 @@ def main() -> None:
     rows, columns = int(entry.shape[1]), int(entry.shape[0])
     data = np.array(np.memmap(path, dtype=np.uint8, mode="r")[entry.offset:entry.offset + entry.num_bytes]).reshape(rows, -1)
     values = quants.dequantize(data, WeightFormat.Q4_K).reshape(rows, columns)
-    weights = {"Q3_K": BlockWeight(torch.from_numpy(quantize_q3_k(values)), WeightFormat.Q3_K, columns),
+    weights = {"Q2_K": BlockWeight(torch.from_numpy(quantize_q2_k(values)), WeightFormat.Q2_K, columns),
+               "Q3_K": BlockWeight(torch.from_numpy(quantize_q3_k(values)), WeightFormat.Q3_K, columns),
                "Q4_K": BlockWeight(torch.from_numpy(data), WeightFormat.Q4_K, columns),
                "Q5_K": BlockWeight(torch.from_numpy(quantize_q5_k(values)), WeightFormat.Q5_K, columns),
                "float32": BlockWeight.from_float(torch.from_numpy(values), WeightFormat.F32)}

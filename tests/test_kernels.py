@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from draftwise.models import kernels as kernels_module
 from draftwise.models.gguf_index import read_index
 from draftwise.models.linear import BlockLinear, BlockWeight, WeightFormat
+from tests.q2k import quantize_q2_k
 from tests.q3k import quantize_q3_k
 from tests.q5k import quantize_q5_k
 
@@ -61,10 +62,11 @@ def synthetic_blocks(format: WeightFormat, num_rows: int = 48, num_columns: int 
 
 @functools.cache
 def requantized_blocks(format: WeightFormat, num_rows: int = 48):
-    """Q5_K or Q3_K blocks of real weights: Qwen2.5-Coder-0.5B's Q4_K tensor rows (4864 columns)
-    dequantised and quantised again (tests/q5k.py, tests/q3k.py), as none of the packaged files
-    holds either."""
-    quantize = {WeightFormat.Q5_K: quantize_q5_k, WeightFormat.Q3_K: quantize_q3_k}[format]
+    """Q5_K, Q3_K or Q2_K blocks of real weights: Qwen2.5-Coder-0.5B's Q4_K tensor rows (4864
+    columns) dequantised and quantised again (tests/q5k.py, q3k.py, q2k.py), as none of the packaged
+    files holds any."""
+    quantize = {WeightFormat.Q5_K: quantize_q5_k, WeightFormat.Q3_K: quantize_q3_k,
+                WeightFormat.Q2_K: quantize_q2_k}[format]
     data, num_columns = real_blocks(WeightFormat.Q4_K, num_rows)
     weight = quants.dequantize(data.numpy(), WeightFormat.Q4_K).reshape(num_rows, num_columns)
     return torch.from_numpy(quantize(weight)), num_columns
@@ -72,7 +74,8 @@ def requantized_blocks(format: WeightFormat, num_rows: int = 48):
 
 CASES = [(WeightFormat.Q4_1, real_blocks), (WeightFormat.Q8_0, real_blocks), (WeightFormat.Q5_0, real_blocks),
          (WeightFormat.Q4_K, real_blocks), (WeightFormat.Q6_K, real_blocks), (WeightFormat.Q5_K, requantized_blocks),
-         (WeightFormat.Q3_K, requantized_blocks), (WeightFormat.Q4_0, synthetic_blocks), (WeightFormat.Q5_1, synthetic_blocks), (WeightFormat.BF16, synthetic_blocks),
+         (WeightFormat.Q3_K, requantized_blocks), (WeightFormat.Q2_K, requantized_blocks),
+         (WeightFormat.Q4_0, synthetic_blocks), (WeightFormat.Q5_1, synthetic_blocks), (WeightFormat.BF16, synthetic_blocks),
          (WeightFormat.F16, synthetic_blocks), (WeightFormat.F32, synthetic_blocks)]
 
 
@@ -104,7 +107,7 @@ def test_the_product_matches_float64(kernels, num_rows, num_columns):
 INVARIANCE_CASES = [(WeightFormat.F32, 600), (WeightFormat.F32, 576), (WeightFormat.F32, 2560),
                     (WeightFormat.BF16, 600), (WeightFormat.BF16, 576), (WeightFormat.Q4_1, 4608),
                     (WeightFormat.Q8_0, 4608)] + [(format, None) for format in (
-                        WeightFormat.Q3_K, WeightFormat.Q4_K, WeightFormat.Q5_K, WeightFormat.Q6_K, WeightFormat.Q8_0,
+                        WeightFormat.Q2_K, WeightFormat.Q3_K, WeightFormat.Q4_K, WeightFormat.Q5_K, WeightFormat.Q6_K, WeightFormat.Q8_0,
                         WeightFormat.Q4_1,
                         WeightFormat.Q5_0, WeightFormat.Q4_0, WeightFormat.Q5_1)]
 

@@ -76,7 +76,7 @@ def _llama_rotary_rows(num_rows: int, num_heads: int) -> torch.Tensor:
 
 def dequantised_note(path: Path, tensors: dict) -> str | None:
     """A warning's text where some of read_blocks' matrices are in a format the kernels do not run
-    as blocks (Q2_K, the IQ formats, ...): those are dequantised to float32 when the model
+    as blocks (the IQ formats, ...): those are dequantised to float32 when the model
     is built, so they take 32 bits a weight in memory and in every forward. None where there are none."""
     others = {name: entry for name, entry in tensors.items()
               if isinstance(entry, tuple) and entry[1] not in NATIVE_FORMATS}

@@ -55,7 +55,8 @@ INT4_KEEP_INT8 = ("lm_head",)
 # Formats the kernel runs as they are; any other GGUF format is dequantised to float32 at load.
 NATIVE_FORMATS = frozenset({WeightFormat.F32, WeightFormat.F16, WeightFormat.BF16, WeightFormat.Q4_0,
                             WeightFormat.Q4_1, WeightFormat.Q5_0, WeightFormat.Q5_1, WeightFormat.Q8_0,
-                            WeightFormat.Q3_K, WeightFormat.Q4_K, WeightFormat.Q5_K, WeightFormat.Q6_K})
+                            WeightFormat.Q2_K, WeightFormat.Q3_K, WeightFormat.Q4_K, WeightFormat.Q5_K,
+                            WeightFormat.Q6_K})
 # What a linear's input is rounded to before it meets the weights; --activations also takes
 # "auto" (default_activations chooses one of these).
 SETTINGS = ("float32", "int8", "bf16", "amx", "int16")

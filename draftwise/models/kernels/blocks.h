@@ -478,13 +478,19 @@ struct Blocks<Q5_K> {
 };
 
 // The decode of a format whose 256-weight blocks are 16 groups of 16 columns, each group a float
-// scale times int8 values (Q3_K, Q6_K): B::group_scales(block, out) gives the 16 scales as floats,
-// B::values(block, half, out) a half's 128 values; w = scale * float(value), one rounding.
+// scale times int8 values (Q2_K, Q3_K, Q6_K): B::group_scales(block, out) gives the 16 scales as
+// floats, B::values(block, half, out) a half's 128 values; w = scale * float(value), one rounding,
+// and where B::OFFSETS (Q2_K's mins) w = scale * float(value) - offset (B::group_offsets), the
+// product exact, so one rounding again.
 template <typename B, int R, typename Use>
 DRAFTWISE_ALWAYS_INLINE void decode_scaled_groups(const uint8_t* const* block, Use use) {
-  alignas(64) float scale[R][16];
-  for (int r = 0; r < R; ++r) B::group_scales(block[r], scale[r]);
+  alignas(64) float scale[R][16], offset[B::OFFSETS ? R : 1][16];
+  for (int r = 0; r < R; ++r) {
+    B::group_scales(block[r], scale[r]);
+    if constexpr (B::OFFSETS) B::group_offsets(block[r], offset[r]);
+  }
   in_memory(scale);
+  if constexpr (B::OFFSETS) in_memory(offset);
 #pragma GCC unroll 2
   for (int half = 0; half < 2; ++half) {
     alignas(64) int8_t q[R][128];
@@ -499,11 +505,61 @@ DRAFTWISE_ALWAYS_INLINE void decode_scaled_groups(const uint8_t* const* block, U
 #pragma GCC unroll 8
     for (int g = 0; g < 8; ++g) {  // columns 16 g .. 16 g + 15 of the half
       v16 w[R];
-      for (int r = 0; r < R; ++r) w[r] = scale[r][8 * half + g] * to_float(widen_signed(q[r] + 16 * g));
+      for (int r = 0; r < R; ++r) {
+        if constexpr (B::OFFSETS)
+          w[r] = fmsub(to_float(widen_signed(q[r] + 16 * g)), scale[r][8 * half + g], offset[r][8 * half + g]);
+        else
+          w[r] = scale[r][8 * half + g] * to_float(widen_signed(q[r] + 16 * g));
+      }
       use(8 * half + g, w);
     }
   }
 }
+
+#if defined(__AVX2__)
+// Bits 2 s and 2 s + 1 of each of 32 bytes (s = 0..3): Q2_K's and Q3_K's two low bits of a half's
+// columns 32 s .. 32 s + 31 (16-bit shifts, then a byte mask keeps each byte's own bits).
+inline __m256i two_bits(__m256i bytes, int s) {
+  return _mm256_and_si256(_mm256_srli_epi16(bytes, 2 * s), _mm256_set1_epi8(3));
+}
+#endif
+
+// Q2_K (Q2_K files' main format): 16 bytes of scales (a group's scale in the low nibble, its min
+// in the high), 64 bytes of 2-bit values (qs), d and dmin (float16); w = d * scale_g * q - dmin *
+// min_g for the 16 columns of group g, q = 0..3. In half h (128 columns), value l + 32 s = bits
+// 2 s of qs[32 h + l] (Q3_K's low bits). As gguf-py: d * scale_g and dmin * min_g (each exact,
+// 11 bits times 4), then q times the first (exact) less the second, one rounding.
+template <>
+struct Blocks<Q2_K> {
+  static constexpr int64_t WEIGHTS = 256, BYTES = 84;
+  static constexpr bool OFFSETS = true;
+
+  // Half h (128 columns) of a block -> its 128 values q as int8, in column order.
+  static DRAFTWISE_ALWAYS_INLINE void values(const uint8_t* block, int half, int8_t* out) {
+    const uint8_t* qs = block + 16 + 32 * half;
+#if defined(__AVX2__)
+    const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
+#pragma GCC unroll 4
+    for (int s = 0; s < 4; ++s) _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * s), two_bits(low, s));
+#else
+    for (int s = 0; s < 4; ++s)
+      for (int l = 0; l < 32; ++l) out[32 * s + l] = int8_t((qs[l] >> (2 * s)) & 3);
+#endif
+  }
+
+  // The 16 groups' d * scale_g, and dmin * min_g.
+  static DRAFTWISE_ALWAYS_INLINE void group_scales(const uint8_t* block, float* out) {
+    store16(out, splat_half(block + 80) * to_float(widen(block) & 15));
+  }
+  static DRAFTWISE_ALWAYS_INLINE void group_offsets(const uint8_t* block, float* out) {
+    store16(out, splat_half(block + 82) * to_float(widen(block) >> 4));
+  }
+
+  template <int R, typename Use>
+  static DRAFTWISE_ALWAYS_INLINE void decode(const uint8_t* const* block, Use use) {
+    decode_scaled_groups<Blocks<Q2_K>, R>(block, use);
+  }
+};
 
 // Q3_K (Q3_K_S/M/L files' main format): 32 bytes of high bits (hmask), 64 bytes of 2-bit lows
 // (qs), 12 bytes of sixteen 6-bit scales, d (float16); w = d * (scale_g - 32) * q for the 16
@@ -513,6 +569,7 @@ DRAFTWISE_ALWAYS_INLINE void decode_scaled_groups(const uint8_t* const* block, U
 template <>
 struct Blocks<Q3_K> {
   static constexpr int64_t WEIGHTS = 256, BYTES = 110;
+  static constexpr bool OFFSETS = false;
 
   // Half h (128 columns) of a block -> its 128 values q as int8, in column order.
   static DRAFTWISE_ALWAYS_INLINE void values(const uint8_t* block, int half, int8_t* out) {
@@ -522,10 +579,10 @@ struct Blocks<Q3_K> {
     // 32 values (one s) per register; 16-bit shifts, then byte masks keep each byte's own bits.
     const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
     const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hmask));
-    const __m256i two = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+    const __m256i one = _mm256_set1_epi8(1);
 #pragma GCC unroll 4
     for (int s = 0; s < 4; ++s) {
-      const __m256i q = _mm256_and_si256(_mm256_srli_epi16(low, 2 * s), two);
+      const __m256i q = two_bits(low, s);
       const __m256i clear = _mm256_andnot_si256(_mm256_srli_epi16(high, 4 * half + s), one);  // 1: subtract 4
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * s), _mm256_sub_epi8(q, _mm256_slli_epi16(clear, 2)));
     }
@@ -579,6 +636,7 @@ struct Blocks<Q3_K> {
 template <>
 struct Blocks<Q6_K> {
   static constexpr int64_t WEIGHTS = 256, BYTES = 210;
+  static constexpr bool OFFSETS = false;
 
   // Half h (128 columns) of a block -> its 128 values q - 32 as int8, in column order.
   static DRAFTWISE_ALWAYS_INLINE void values(const uint8_t* block, int half, int8_t* out) {
@@ -647,6 +705,7 @@ inline void with_blocks(int64_t format, Body body) {
     case Q5_0: return body(Blocks<Q5_0>{});
     case Q5_1: return body(Blocks<Q5_1>{});
     case Q8_0: return body(Blocks<Q8_0>{});
+    case Q2_K: return body(Blocks<Q2_K>{});
     case Q3_K: return body(Blocks<Q3_K>{});
     case Q4_K: return body(Blocks<Q4_K>{});
     case Q5_K: return body(Blocks<Q5_K>{});
@@ -657,7 +716,7 @@ inline void with_blocks(int64_t format, Body body) {
 
 inline bool is_block_format(int64_t format) {
   return format == Q4_0 || format == Q4_1 || format == Q5_0 || format == Q5_1 || format == Q8_0 ||
-         format == Q3_K || format == Q4_K || format == Q5_K || format == Q6_K;
+         format == Q2_K || format == Q3_K || format == Q4_K || format == Q5_K || format == Q6_K;
 }
 
 // One row of K weights from its format into out (float32), 16 at a time: blocks.h's values.

@@ -13,7 +13,7 @@
 namespace draftwise {
 
 // GGML type ids (the numbers in a GGUF file).
-enum Format : int64_t { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q3_K = 11,
+enum Format : int64_t { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11,
                         Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30 };
 
 struct Layout { int64_t weights; int64_t bytes; };  // per block
@@ -28,6 +28,7 @@ inline Layout layout(int64_t format) {
     case Q5_0: return {32, 22};
     case Q5_1: return {32, 24};
     case Q8_0: return {32, 34};
+    case Q2_K: return {256, 84};
     case Q3_K: return {256, 110};
     case Q4_K: return {256, 144};
     case Q5_K: return {256, 176};
