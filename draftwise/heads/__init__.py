@@ -22,9 +22,9 @@ def head_for(target_name: str, kind: str, shape=None) -> Path:
         message = (f"no {kind} head is shipped for {target_name} (shipped: {', '.join(shipped) or 'none'}): "
                    f"train one with `draftwise train --kind {kind} --target {target_name} --out DIR` "
                    f"and pass --head DIR/{kind}.")
-        fitting = [] if shape is None else _shipped_heads_fitting(kind, shape)
-        if fitting:
-            name, path = fitting[0]
+        fitting = None if shape is None else _shipped_head_fitting(kind, shape)
+        if fitting is not None:
+            name, path = fitting
             message += (f" The shipped {kind} head for {name} fits this model's shape (hidden size "
                         f"{shape.hidden_size}, vocabulary {shape.vocab_size}): if this is {name} in another "
                         f"quantization or under another name, pass --head {path}. A head for another model of "
@@ -33,24 +33,28 @@ def head_for(target_name: str, kind: str, shape=None) -> Path:
     return folder
 
 
-def _shipped_heads_fitting(kind: str, shape) -> list[tuple[str, Path]]:
-    """(target name, folder) of each shipped head of this kind that check_target would accept."""
+def _shipped_head_fitting(kind: str, shape) -> tuple[str, Path] | None:
+    """(target name, folder) of the first shipped head of this kind that check_target would accept."""
     import json
 
-    fitting = []
     for config_path in sorted(SHIPPED.glob(f"*/{kind}/head.json")):
         config = json.loads(config_path.read_text())
-        if config.get("hidden_size") == shape.hidden_size and config.get("target_vocab_size") == shape.vocab_size \
-                and max(config.get("hidden_layers") or [0]) <= shape.num_layers:
-            fitting.append((config_path.parent.parent.name, config_path.parent))
-    return fitting
+        if _fits(config.get("hidden_size"), config.get("target_vocab_size"), config.get("hidden_layers") or [0], shape):
+            return config_path.parent.parent.name, config_path.parent
+    return None
+
+
+def _fits(hidden_size: int, target_vocab_size: int, hidden_layers: list[int], shape) -> bool:
+    """A head of these fields reads a target of this DecoderShape: its hidden size and vocabulary,
+    and every layer it reads exists."""
+    return hidden_size == shape.hidden_size and target_vocab_size == shape.vocab_size and \
+        max(hidden_layers) <= shape.num_layers
 
 
 def check_target(config, target_model) -> None:
     """Refuse a head trained for another target (its hidden size, vocabulary or layers differ)."""
     shape = target_model.shape
-    if config.hidden_size != shape.hidden_size or config.target_vocab_size != shape.vocab_size or \
-            max(config.hidden_layers) > shape.num_layers:
+    if not _fits(config.hidden_size, config.target_vocab_size, config.hidden_layers, shape):
         raise ConfigError(
             f"the {config.kind} head was trained for {config.target!r} (hidden size {config.hidden_size}, vocabulary "
             f"{config.target_vocab_size}), not for {target_model.info.name} (hidden size {shape.hidden_size}, "
