@@ -56,9 +56,9 @@ def test_bf16_activations_compute_the_rounded_products_in_the_dot_products_order
 
 
 @pytest.mark.parametrize("format", [WeightFormat.Q4_K, WeightFormat.Q6_K, WeightFormat.Q3_K, WeightFormat.Q2_K,
-                                    WeightFormat.Q4_1, WeightFormat.F32])
+                                    WeightFormat.IQ4_XS, WeightFormat.IQ4_NL, WeightFormat.Q4_1, WeightFormat.F32])
 def test_bf16_rows_are_bit_identical_whatever_rows_are_beside_them(kernels, format):
-    # Q4_K / Q6_K (Q3_K, Q2_K: re-quantised from Q4_K): the real tensors have 4864 columns, more than one
+    # Q4_K / Q6_K (Q3_K, Q2_K, IQ4_XS, IQ4_NL: re-quantised from Q4_K): the real tensors have 4864 columns, more than one
     # 2048-column tile step
     data, num_columns = dict(CASES)[format](format) if format != WeightFormat.F32 else synthetic_blocks(format, 37, 600)
     weight = BlockWeight(data, format, num_columns)

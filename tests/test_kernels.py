@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from draftwise.models import kernels as kernels_module
 from draftwise.models.gguf_index import read_index
 from draftwise.models.linear import BlockLinear, BlockWeight, WeightFormat
+from tests.iq4 import quantize_iq4_nl, quantize_iq4_xs
 from tests.q2k import quantize_q2_k
 from tests.q3k import quantize_q3_k
 from tests.q5k import quantize_q5_k
@@ -62,11 +63,12 @@ def synthetic_blocks(format: WeightFormat, num_rows: int = 48, num_columns: int 
 
 @functools.cache
 def requantized_blocks(format: WeightFormat, num_rows: int = 48):
-    """Q5_K, Q3_K or Q2_K blocks of real weights: Qwen2.5-Coder-0.5B's Q4_K tensor rows (4864
-    columns) dequantised and quantised again (tests/q5k.py, q3k.py, q2k.py), as none of the packaged
-    files holds any."""
+    """Q5_K, Q3_K, Q2_K, IQ4_XS or IQ4_NL blocks of real weights: Qwen2.5-Coder-0.5B's Q4_K tensor
+    rows (4864 columns) dequantised and quantised again (tests/q5k.py, q3k.py, q2k.py, iq4.py), as
+    none of the packaged files holds any."""
     quantize = {WeightFormat.Q5_K: quantize_q5_k, WeightFormat.Q3_K: quantize_q3_k,
-                WeightFormat.Q2_K: quantize_q2_k}[format]
+                WeightFormat.Q2_K: quantize_q2_k, WeightFormat.IQ4_XS: quantize_iq4_xs,
+                WeightFormat.IQ4_NL: quantize_iq4_nl}[format]
     data, num_columns = real_blocks(WeightFormat.Q4_K, num_rows)
     weight = quants.dequantize(data.numpy(), WeightFormat.Q4_K).reshape(num_rows, num_columns)
     return torch.from_numpy(quantize(weight)), num_columns
@@ -75,6 +77,7 @@ def requantized_blocks(format: WeightFormat, num_rows: int = 48):
 CASES = [(WeightFormat.Q4_1, real_blocks), (WeightFormat.Q8_0, real_blocks), (WeightFormat.Q5_0, real_blocks),
          (WeightFormat.Q4_K, real_blocks), (WeightFormat.Q6_K, real_blocks), (WeightFormat.Q5_K, requantized_blocks),
          (WeightFormat.Q3_K, requantized_blocks), (WeightFormat.Q2_K, requantized_blocks),
+         (WeightFormat.IQ4_XS, requantized_blocks), (WeightFormat.IQ4_NL, requantized_blocks),
          (WeightFormat.Q4_0, synthetic_blocks), (WeightFormat.Q5_1, synthetic_blocks), (WeightFormat.BF16, synthetic_blocks),
          (WeightFormat.F16, synthetic_blocks), (WeightFormat.F32, synthetic_blocks)]
 
@@ -108,7 +111,7 @@ INVARIANCE_CASES = [(WeightFormat.F32, 600), (WeightFormat.F32, 576), (WeightFor
                     (WeightFormat.BF16, 600), (WeightFormat.BF16, 576), (WeightFormat.Q4_1, 4608),
                     (WeightFormat.Q8_0, 4608)] + [(format, None) for format in (
                         WeightFormat.Q2_K, WeightFormat.Q3_K, WeightFormat.Q4_K, WeightFormat.Q5_K, WeightFormat.Q6_K, WeightFormat.Q8_0,
-                        WeightFormat.Q4_1,
+                        WeightFormat.Q4_1, WeightFormat.IQ4_XS, WeightFormat.IQ4_NL,
                         WeightFormat.Q5_0, WeightFormat.Q4_0, WeightFormat.Q5_1)]
 
 

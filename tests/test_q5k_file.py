@@ -1,10 +1,11 @@
-"""A GGUF file with Q5_K, Q3_K and Q2_K matrices (the main formats of Q5_K_M, Q3_K_S/M/L and Q2_K
-files) runs its blocks as shipped.
+"""A GGUF file with Q5_K, Q3_K, Q2_K, IQ4_XS and IQ4_NL matrices (the main formats of Q5_K_M,
+Q3_K_S/M/L, Q2_K and IQ4_XS files) runs its blocks as shipped.
 
-None of the packaged models holds either, so the file here is SmolLM2-135M's own with its 30 down
+None of the packaged models holds any, so the file here is SmolLM2-135M's own with its 30 down
 projections (1536 columns, whole 256-weight blocks; its other matrices have 576 columns, which
-llama.cpp too keeps out of K-quants) re-quantised from their Q4_1 values, layer i's to Q5_K, Q3_K
-or Q2_K as i % 3 is 0, 1 or 2, and everything else copied: real weights, read as a user's K-quant
+llama.cpp too keeps out of 256-weight formats) re-quantised from their Q4_1 values, layer i's to
+Q5_K, Q3_K, Q2_K or IQ4_XS as i % 4 is 0, 1, 2 or 3, its up projections (576 columns) to IQ4_NL
+(as an IQ4_XS file stores such rows), and everything else copied: real weights, read as a user's
 file would be."""
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from draftwise.models import loading, registry
 from draftwise.models.gguf_weights import dequantised_note, read_blocks
 from draftwise.models.linear import WeightFormat, default_activations
 from tests.conftest import PROMPTS
+from tests.iq4 import quantize_iq4_nl, quantize_iq4_xs
 from tests.q2k import quantize_q2_k
 from tests.q3k import quantize_q3_k
 from tests.q5k import quantize_q5_k
@@ -31,11 +33,15 @@ from tests.test_batch_invariance import one_token_logits, stepped_logits
 from tests.test_model_parity import prompt_ids
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24)
+# layer i's down projection: DOWN_FORMATS[i % 4]
+DOWN_FORMATS = [(quantize_q5_k, WeightFormat.Q5_K), (quantize_q3_k, WeightFormat.Q3_K),
+                (quantize_q2_k, WeightFormat.Q2_K), (quantize_iq4_xs, WeightFormat.IQ4_XS)]
 
 
 def write_with_q5k_down_projections(source: Path, path: Path) -> None:
-    """source's metadata and tensors into path, each ffn_down matrix re-quantised to Q5_K, Q3_K or
-    Q2_K by its layer (gguf-py's reader and writer, as its gguf_new_metadata script copies a file)."""
+    """source's metadata and tensors into path, each ffn_down matrix re-quantised to Q5_K, Q3_K, Q2_K
+    or IQ4_XS by its layer and each ffn_up to IQ4_NL (gguf-py's reader and writer, as its
+    gguf_new_metadata script copies a file)."""
     import gguf
 
     reader = gguf.GGUFReader(source)
@@ -48,9 +54,9 @@ def write_with_q5k_down_projections(source: Path, path: Path) -> None:
     tensors = []
     for tensor in reader.tensors:
         data, format = np.asarray(tensor.data), tensor.tensor_type
-        if tensor.name.endswith("ffn_down.weight"):
-            quantize, format = [(quantize_q5_k, WeightFormat.Q5_K), (quantize_q3_k, WeightFormat.Q3_K),
-                                (quantize_q2_k, WeightFormat.Q2_K)][int(tensor.name.split(".")[1]) % 3]
+        if tensor.name.endswith(("ffn_down.weight", "ffn_up.weight")):
+            quantize, format = (quantize_iq4_nl, WeightFormat.IQ4_NL) if "ffn_up" in tensor.name else DOWN_FORMATS[
+                int(tensor.name.split(".")[1]) % len(DOWN_FORMATS)]
             data = quantize(quants.dequantize(data, tensor.tensor_type))
         tensors.append(data)
         writer.add_tensor_info(tensor.name, data.shape, data.dtype, data.nbytes, format)
@@ -79,8 +85,8 @@ def test_a_q5k_file_runs_its_blocks_with_the_same_bits_as_its_dequantised_weight
         warnings.simplefilter("error", RuntimeWarning)  # no "dequantised to float32" warning
         blocks = loading.load(str(q5k_file), activations="float32", kv_cache="float32", progress=False)
     layers = blocks.model.model.layers
-    assert [layer.mlp.down_proj.weight.format for layer in layers[:3]] == [WeightFormat.Q5_K, WeightFormat.Q3_K,
-                                                                            WeightFormat.Q2_K]
+    assert [layer.mlp.down_proj.weight.format for layer in layers[:4]] == [format for _, format in DOWN_FORMATS]
+    assert layers[0].mlp.up_proj.weight.format == WeightFormat.IQ4_NL
     # --dtype float32: transformers dequantises the file with gguf-py; the kernels' decode and
     # dequantised paths compute the same bits (a prefill, a 3-token verify, a one-token step).
     dense = loading.load(str(q5k_file), dtype="float32", progress=False)
@@ -91,7 +97,7 @@ def test_a_q5k_file_runs_its_blocks_with_the_same_bits_as_its_dequantised_weight
 
 
 # int8 and int16 (Q5_K's integer dot products: int16's in registers as its Q4_K's, beside the
-# other formats' float32, Q3_K's and Q2_K's among them), and the CPU's default where it rounds (amx
+# other formats' float32, Q3_K's, Q2_K's and the IQ4s' among them), and the CPU's default where it rounds (amx
 # on an AMX Xeon, bf16 with AVX-512 BF16): both round the decoded floats of any block format.
 ACTIVATIONS = list(dict.fromkeys(["float32", "int8", "int16", default_activations(own_blocks=True)]))
 
@@ -119,10 +125,10 @@ def test_a_q5k_models_rows_do_not_depend_on_the_rows_beside_them_and_speculation
 
 def test_formats_the_kernels_do_not_run_as_blocks_are_named_with_their_cost_and_the_fix(q5k_file):
     tensors = read_blocks(q5k_file, "llama", 9, 3)
-    assert dequantised_note(q5k_file, tensors) is None  # Q5_K, Q3_K, Q2_K, Q4_1, Q8_0: all run as shipped
+    assert dequantised_note(q5k_file, tensors) is None  # Q5_K, Q3_K, Q2_K, IQ4_XS, IQ4_NL, Q4_1, Q8_0: all native
     name = "model.layers.0.mlp.down_proj.weight"
     data, _, columns = tensors[name]
-    tensors[name] = (data, WeightFormat.IQ4_XS, columns)  # as an IQ4_XS file's would read
+    tensors[name] = (data, WeightFormat.IQ3_S, columns)  # as an IQ3_M file's would read
     note = dequantised_note(q5k_file, tensors)
-    assert note is not None and "1 of its 211 weight matrices are IQ4_XS" in note
+    assert note is not None and "1 of its 211 weight matrices are IQ3_S" in note
     assert f"{576 * 1536 * 4 / 2**20:,.0f} MB in memory" in note and "Q5_K_M" in note

@@ -76,7 +76,7 @@ def _llama_rotary_rows(num_rows: int, num_heads: int) -> torch.Tensor:
 
 def dequantised_note(path: Path, tensors: dict) -> str | None:
     """A warning's text where some of read_blocks' matrices are in a format the kernels do not run
-    as blocks (the IQ formats, ...): those are dequantised to float32 when the model
+    as blocks (the IQ formats other than IQ4_NL and IQ4_XS, ...): those are dequantised to float32 when the model
     is built, so they take 32 bits a weight in memory and in every forward. None where there are none."""
     others = {name: entry for name, entry in tensors.items()
               if isinstance(entry, tuple) and entry[1] not in NATIVE_FORMATS}
@@ -90,5 +90,5 @@ def dequantised_note(path: Path, tensors: dict) -> str | None:
     return (f"{path.name}: {len(others)} of its {len(matrices)} weight matrices are {', '.join(formats)}, which "
             f"draftwise's kernels do not run as blocks: they are dequantised to float32 ({as_float / 2**20:,.0f} MB "
             f"in memory against {as_stored / 2**20:,.0f} MB in the file) and read at 32 bits a weight, slower. "
-            f"The kernels run {', '.join(native)} as shipped: a Q3_K_M, Q4_K_M, Q5_K_M, Q6_K or Q8_0 file of the same "
-            "model loads in its own bytes.")
+            f"The kernels run {', '.join(native)} as shipped: a Q3_K_M, Q4_K_M, Q5_K_M, Q6_K, IQ4_XS or Q8_0 file "
+            "of the same model loads in its own bytes.")

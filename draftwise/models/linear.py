@@ -56,7 +56,7 @@ INT4_KEEP_INT8 = ("lm_head",)
 NATIVE_FORMATS = frozenset({WeightFormat.F32, WeightFormat.F16, WeightFormat.BF16, WeightFormat.Q4_0,
                             WeightFormat.Q4_1, WeightFormat.Q5_0, WeightFormat.Q5_1, WeightFormat.Q8_0,
                             WeightFormat.Q2_K, WeightFormat.Q3_K, WeightFormat.Q4_K, WeightFormat.Q5_K,
-                            WeightFormat.Q6_K})
+                            WeightFormat.Q6_K, WeightFormat.IQ4_NL, WeightFormat.IQ4_XS})
 # What a linear's input is rounded to before it meets the weights; --activations also takes
 # "auto" (default_activations chooses one of these).
 SETTINGS = ("float32", "int8", "bf16", "amx", "int16")
@@ -78,7 +78,7 @@ class BlockWeight(nn.Module):
 
     def __init__(self, data: torch.Tensor, format: WeightFormat, num_columns: int) -> None:
         super().__init__()
-        if format not in NATIVE_FORMATS:  # e.g. Q5_K, IQ4: exact float32 values, 32 bits each
+        if format not in NATIVE_FORMATS:  # e.g. IQ3_S, IQ2_XS: exact float32 values, 32 bits each
             data = _raw_bytes(dequantize(data, format, num_columns))
             format = WeightFormat.F32
         self.format = WeightFormat(format)

@@ -303,6 +303,66 @@ struct Blocks<Q8_0> {
   }
 };
 
+// IQ4_NL's and IQ4_XS's 16 values, what a nibble stands for (gguf-py's kvalues): a grid denser
+// near zero than Q4_0's even one.
+alignas(16) inline constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                                      1,    13,   25,  38,  53,  69,  89,  113};
+
+#if defined(__AVX512F__)
+inline const v16 kIQ4Floats = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+#endif
+
+// 16 bytes of nibbles -> the 32 values of an IQ4 (sub-)block in column order: out[l] the value of
+// p[l]'s low nibble, out[16 + l] of its high one. One byte shuffle per 16 with SSSE3.
+DRAFTWISE_ALWAYS_INLINE void iq4_values(const uint8_t* p, int8_t* out) {
+#if defined(__SSSE3__)
+  const __m128i table = _mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values)), nibble = _mm_set1_epi8(15);
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm_shuffle_epi8(table, _mm_and_si128(bytes, nibble)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16),
+                   _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble)));
+#else
+  for (int l = 0; l < 16; ++l) {
+    out[l] = kIQ4Values[p[l] & 15];
+    out[16 + l] = kIQ4Values[p[l] >> 4];
+  }
+#endif
+}
+
+// IQ4_NL (an IQ4_XS file's format where a row is not whole 256-weight blocks): d (float16), 16
+// bytes of nibbles (the low ones are columns 0..15); w = d * kIQ4Values[q], exact in float32 (11
+// significant bits times 7), so a table of the block's 16 weights and the formula agree.
+template <>
+struct Blocks<IQ4_NL> {
+  static constexpr int64_t WEIGHTS = 32, BYTES = 18;
+  template <int R, typename Use>
+  static DRAFTWISE_ALWAYS_INLINE void decode(const uint8_t* const* block, Use use) {
+    v16 w[R];
+#if defined(__AVX512F__)
+    // As Blocks4: the block's 16 weights in a register, one permute per 16 columns.
+    v16 table[R];
+    vi16 q[R];
+    for (int r = 0; r < R; ++r) {
+      table[r] = splat_half(block[r]) * kIQ4Floats;
+      q[r] = widen(block[r] + 2);
+    }
+    for (int r = 0; r < R; ++r) w[r] = lookup(table[r], q[r]);
+    use(0, w);
+    for (int r = 0; r < R; ++r) w[r] = lookup(table[r], q[r] >> 4);
+    use(1, w);
+#else
+    // The values by byte shuffles, then Q8_0's product (a lookup of floats costs two permutes and
+    // a blend per 8 lanes on AVX2).
+    alignas(64) int8_t q[R][32];
+    for (int r = 0; r < R; ++r) iq4_values(block[r] + 2, q[r]);
+    for (int half = 0; half < 2; ++half) {
+      for (int r = 0; r < R; ++r) w[r] = to_float(widen_signed(q[r] + 16 * half)) * splat_half(block[r]);
+      use(half, w);
+    }
+#endif
+  }
+};
+
 // Q4_K: d, dmin (float16), 12 bytes of 6-bit scales and mins, 128 bytes of nibbles (32 bytes
 // per pair of 32-column sub-blocks: the first in the low nibbles); w = d * scale_j * q - dmin *
 // min_j in sub-block j.
@@ -686,6 +746,62 @@ struct Blocks<Q6_K> {
   }
 };
 
+// IQ4_XS (IQ4_XS files' main format): d (float16), the top 2 bits of eight 6-bit scales
+// (scales_h, 16 bits, sub-block j's at bits 2 j), their low 4 bits (scales_l, 4 bytes, sub-block
+// j's in nibble j % 2 of byte j / 2), 128 bytes of nibbles (16 per 32-column sub-block, as
+// IQ4_NL's); w = d * (scale_j - 32) * kIQ4Values[q] in sub-block j. As gguf-py: d * (scale - 32)
+// once (exact), then times the value (exact again: at most 24 significant bits).
+template <>
+struct Blocks<IQ4_XS> {
+  static constexpr int64_t WEIGHTS = 256, BYTES = 136;
+  static constexpr bool OFFSETS = false;
+
+  // Half h (128 columns: sub-blocks 4 h .. 4 h + 3) -> its 128 values, in column order.
+  static DRAFTWISE_ALWAYS_INLINE void values(const uint8_t* block, int half, int8_t* out) {
+    const uint8_t* qs = block + 8 + 64 * half;
+#pragma GCC unroll 4
+    for (int s = 0; s < 4; ++s) iq4_values(qs + 16 * s, out + 32 * s);
+  }
+
+  // The 16 groups' scales less 32: group g is in sub-block g / 2.
+  static DRAFTWISE_ALWAYS_INLINE void scales(const uint8_t* block, int8_t* out) {
+    uint16_t high;
+    std::memcpy(&high, block + 2, 2);
+#if defined(__SSE2__)
+    // Sub-block j's top 2 bits to byte j (three shift-or-mask steps), its low nibble beside them.
+    uint64_t top = high;
+    top = (top | top << 24) & 0x000000FF000000FFull;
+    top = (top | top << 12) & 0x000F000F000F000Full;
+    top = (top | top << 6) & 0x0303030303030303ull;
+    uint32_t low;
+    std::memcpy(&low, block + 4, 4);
+    const __m128i bytes = _mm_cvtsi32_si128(int(low)), nibble = _mm_set1_epi8(15);
+    const __m128i lows =
+        _mm_unpacklo_epi8(_mm_and_si128(bytes, nibble), _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble));
+    const __m128i scale = _mm_sub_epi8(_mm_or_si128(lows, _mm_slli_epi16(_mm_cvtsi64_si128(int64_t(top)), 4)),
+                                       _mm_set1_epi8(32));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm_unpacklo_epi8(scale, scale));
+#else
+    for (int g = 0; g < 16; ++g) {
+      const int j = g / 2;
+      out[g] = int8_t((((block[4 + j / 2] >> (4 * (j % 2))) & 15) | ((high >> (2 * j)) & 3) << 4) - 32);
+    }
+#endif
+  }
+
+  // The 16 groups' d * (scale - 32).
+  static DRAFTWISE_ALWAYS_INLINE void group_scales(const uint8_t* block, float* out) {
+    alignas(16) int8_t sc[16];
+    scales(block, sc);
+    store16(out, splat_half(block) * to_float(widen_signed(sc)));
+  }
+
+  template <int R, typename Use>
+  static DRAFTWISE_ALWAYS_INLINE void decode(const uint8_t* const* block, Use use) {
+    decode_scaled_groups<Blocks<IQ4_XS>, R>(block, use);
+  }
+};
+
 #if defined(DRAFTWISE_V16_PAIR)
 // The formats whose decode step's rows take turns within a block on AVX2 (decode_by_turns;
 // linear.cpp, fused_slice). Q6_K's did the same and measured no faster (1.00x at one row); tried
@@ -710,13 +826,16 @@ inline void with_blocks(int64_t format, Body body) {
     case Q4_K: return body(Blocks<Q4_K>{});
     case Q5_K: return body(Blocks<Q5_K>{});
     case Q6_K: return body(Blocks<Q6_K>{});
+    case IQ4_NL: return body(Blocks<IQ4_NL>{});
+    case IQ4_XS: return body(Blocks<IQ4_XS>{});
   }
   TORCH_CHECK(false, say("draftwise kernels: weight format ", format, " is not a block format"));
 }
 
 inline bool is_block_format(int64_t format) {
   return format == Q4_0 || format == Q4_1 || format == Q5_0 || format == Q5_1 || format == Q8_0 ||
-         format == Q2_K || format == Q3_K || format == Q4_K || format == Q5_K || format == Q6_K;
+         format == Q2_K || format == Q3_K || format == Q4_K || format == Q5_K || format == Q6_K || format == IQ4_NL ||
+         format == IQ4_XS;
 }
 
 // One row of K weights from its format into out (float32), 16 at a time: blocks.h's values.

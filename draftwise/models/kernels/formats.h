@@ -14,7 +14,7 @@ namespace draftwise {
 
 // GGML type ids (the numbers in a GGUF file).
 enum Format : int64_t { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11,
-                        Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30 };
+                        Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23, BF16 = 30 };
 
 struct Layout { int64_t weights; int64_t bytes; };  // per block
 
@@ -33,6 +33,8 @@ inline Layout layout(int64_t format) {
     case Q4_K: return {256, 144};
     case Q5_K: return {256, 176};
     case Q6_K: return {256, 210};
+    case IQ4_NL: return {32, 18};
+    case IQ4_XS: return {256, 136};
   }
   TORCH_CHECK(false, say("draftwise kernels: weight format ", format, " is not supported"));
 }

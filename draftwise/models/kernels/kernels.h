@@ -9,8 +9,8 @@
 namespace draftwise {
 
 // x [M, K] float32 @ W.T, W [N, bytes per row] uint8 holding N rows of K weights in `format`
-// (a GGML type id: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) -> [M, N]
-// float32.
+// (a GGML type id: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
+// IQ4_NL, IQ4_XS) -> [M, N] float32.
 at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& weight, int64_t format, int64_t K);
 // The same product with each row of x rounded to 8 bits per 32 columns and exact integer dot
 // products (quantized block formats only); see int8_linear.cpp. int8_dot_in_hardware: whether

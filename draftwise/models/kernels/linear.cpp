@@ -1,5 +1,5 @@
 // y = x @ W.T with W stored as shipped: float32, float16, bfloat16 or GGUF's quantized blocks
-// (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), x and y float32.
+// (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS), x and y float32.
 //
 // On block formats no float32 copy of W is ever kept: each block is decoded 16 weights at a
 // time in registers (blocks.h) and multiplied into up to 8 rows of x at once, several weight
@@ -483,7 +483,7 @@ constexpr int64_t BLOCK_TILE_M = 96, BLOCK_TILE_N = 32, BLOCK_TILE_K = 2048;
 // all of them (the tiles at 16 and 24 rows measured the same as decoded_pairs there).
 inline int64_t block_tile_min_rows(int64_t format) {
   if (kVectorRegisters == 32) return 12;
-  if (format == Q2_K || format == Q3_K || format == Q4_K || format == Q5_K || format == Q6_K) return 5;
+  if (layout(format).weights == 256) return 5;  // the K-quants, IQ4_XS
 #if defined(DRAFTWISE_V16_PAIR)
   return 13;
 #else
