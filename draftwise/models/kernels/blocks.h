@@ -798,7 +798,28 @@ struct Blocks<IQ4_XS> {
 
   template <int R, typename Use>
   static DRAFTWISE_ALWAYS_INLINE void decode(const uint8_t* const* block, Use use) {
+#if defined(__AVX512F__)
+    // As Q4_K's: each sub-block's 16 possible weights in a register (its d * (scale - 32) times
+    // the 16 values: exact, the formula's floats), then one permute per 16 columns.
+    alignas(64) float scale[R][16];
+    for (int r = 0; r < R; ++r) group_scales(block[r], scale[r]);
+    in_memory(scale);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      v16 table[R], w[R];
+      vi16 q[R];
+      for (int r = 0; r < R; ++r) {
+        table[r] = scale[r][2 * j] * kIQ4Floats;
+        q[r] = widen(block[r] + 8 + 16 * j);
+      }
+      for (int r = 0; r < R; ++r) w[r] = lookup(table[r], q[r]);
+      use(2 * j, w);
+      for (int r = 0; r < R; ++r) w[r] = lookup(table[r], q[r] >> 4);
+      use(2 * j + 1, w);
+    }
+#else
     decode_scaled_groups<Blocks<IQ4_XS>, R>(block, use);
+#endif
   }
 };
 
