@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from draftwise.models import loading, registry  # noqa: E402
 from draftwise.models.gguf_index import read_index  # noqa: E402
 from draftwise.models.kernels import describe_machine, machine, native_kernels  # noqa: E402
-from draftwise.models.linear import INT8_FORMATS, BlockWeight, WeightFormat  # noqa: E402
+from draftwise.models.linear import INT8_FORMATS, INT16_FORMATS, BlockWeight, WeightFormat  # noqa: E402
 from tests.iq4 import quantize_iq4_nl, quantize_iq4_xs  # noqa: E402
 from tests.q2k import quantize_q2_k  # noqa: E402
 from tests.q3k import quantize_q3_k  # noqa: E402
@@ -35,7 +35,7 @@ from tests.q5k import quantize_q5_k  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tensor", default="blk.0.ffn_gate.weight", help="a Q4_K tensor of Qwen2.5-Coder-1.5B's file")
-    parser.add_argument("--activations", default="float32", help="comma-separated: float32, int8, bf16, amx")
+    parser.add_argument("--activations", default="float32", help="comma-separated: float32, int8, int16, bf16, amx")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=30)
     args = parser.parse_args()
@@ -58,15 +58,16 @@ def main() -> None:
                "float32": BlockWeight.from_float(torch.from_numpy(values), WeightFormat.F32)}
     print(f"{args.tensor}: {rows} x {columns}, {args.threads} threads, on {describe_machine(machine())}")
     for activations in args.activations.split(","):
-        print(f"\n{activations} activations (formats without an int8 path keep float32 under int8)\n")
+        print(f"\n{activations} activations (formats without an int8 / int16 path keep float32 under those)\n")
         print("| rows of x | " + " | ".join(weights) + " |")
         print("|---|" + "---|" * len(weights))
         for num_rows in (1, 4, 9, 16, 64):
             x = torch.randn(num_rows, columns)
             cells = []
             for name, weight in weights.items():
-                int8_less = activations == "int8" and weight.format not in INT8_FORMATS
-                weight.activations = "float32" if int8_less else activations
+                integer_formats = {"int8": INT8_FORMATS, "int16": INT16_FORMATS}.get(activations)
+                pathless = integer_formats is not None and weight.format not in integer_formats
+                weight.activations = "float32" if pathless else activations
                 best = float("inf")
                 for _ in range(args.rounds):
                     tic = time.perf_counter()

@@ -213,10 +213,14 @@ def test_int8_activations_need_block_weights(kernels):
         use_activations(float_layer, "int4")
     with pytest.raises(RuntimeError, match="no int8 path"):
         kernels.int8_linear(torch.randn(2, 64), float_layer.weight.data, int(WeightFormat.F32), 64)
+    for format in (WeightFormat.Q3_K, WeightFormat.Q2_K, WeightFormat.IQ4_NL):  # block formats without one
+        data, num_columns = requantized_blocks(format, 4)
+        with pytest.raises(RuntimeError, match="no int8 path"):  # not a product read with a wrong layout
+            kernels.int8_linear(torch.randn(2, num_columns), data, int(format), num_columns)
 
 
 INT16_CASES = [(WeightFormat.Q4_K, real_blocks), (WeightFormat.Q6_K, real_blocks),
-               (WeightFormat.Q5_K, requantized_blocks)]
+               (WeightFormat.Q5_K, requantized_blocks), (WeightFormat.IQ4_XS, requantized_blocks)]
 
 
 @pytest.mark.parametrize("format, make", INT16_CASES, ids=[format.name for format, _ in INT16_CASES])
@@ -227,7 +231,10 @@ def test_int16_activations_compute_the_blocks_times_the_rounded_input(kernels, f
     x = torch.randn(40, num_columns) * 3
     reference = rounded_per_block(x, 256, levels=16383).double() @ dense.T
     unrounded = x.double() @ dense.T
-    int8_error = (kernels.int8_linear(x, data, int(format), num_columns).double() - unrounded).abs().max()
+    # int8's error, or for IQ4_XS (no int8 path) that of the same input rounded to 8 bits per 32
+    int8 = kernels.int8_linear(x, data, int(format), num_columns) if format != WeightFormat.IQ4_XS else \
+        rounded_per_block(x, 32, levels=127).double() @ dense.T
+    int8_error = (int8.double() - unrounded).abs().max()
     for rows in (1, 3, 40):  # the decode kernel (weights multiplied as they are unpacked) and the tile one
         got = kernels.int16_linear(x[:rows], data, int(format), num_columns).double()
         # exact integer dot products: only float32 rounding of the scales and the sums is left
@@ -244,14 +251,15 @@ def test_int16_activations_compute_the_blocks_times_the_rounded_input(kernels, f
 # 19 = ... + 1, 21 = ... + 3, 22 = ... + 4, 80 = 13 x 6 + 2 (with 4: + 1, + 3, + 1, + 2, + 0);
 # 80, 97 and 200 span several of its row tiles (at least 64 rows, cut evenly).
 # int16: up to 12 rows (AVX-512 VNNI: 24) the decode path, in even groups of at most 8 (12; 9 =
-# 5 + 4, 13 = 7 + 6; Q4_K, Q5_K and Q6_K in registers); beyond, the tile path, 4
+# 5 + 4, 13 = 7 + 6; Q4_K, Q5_K, Q6_K and IQ4_XS in registers); beyond, the tile path, 4
 # rows of x by 2 (AVX-512: 4, then 2, 1) weight rows at a time, in row tiles of at most 96: 13, 14,
 # 15 (AVX-512: 25, 26, 27) end on every smaller block, 97 and 200 span several row tiles.
 ROW_GROUPS = {"int8": (3, 5, 7, 9, 10, 16, 17, 19, 21, 22, 80, 97, 200),
               "int16": (2, 3, 5, 8, 9, 12, 13, 14, 15, 24, 25, 26, 27, 97, 200)}
 INTEGER_ROW_CASES = [("int8", format) for format in (WeightFormat.Q4_K, WeightFormat.Q5_K, WeightFormat.Q6_K,
                                                      WeightFormat.Q4_1, WeightFormat.Q8_0)] + \
-                    [("int16", format) for format in (WeightFormat.Q4_K, WeightFormat.Q5_K, WeightFormat.Q6_K)]
+                    [("int16", format) for format in (WeightFormat.Q4_K, WeightFormat.Q5_K, WeightFormat.Q6_K,
+                                                      WeightFormat.IQ4_XS)]
 
 
 @pytest.mark.parametrize("activations, format", INTEGER_ROW_CASES,

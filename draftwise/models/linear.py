@@ -68,9 +68,9 @@ ACTIVATION_CODES = {"float32": 0, "int8": 1, "bf16": 2, "amx": 3, "int16": 4}
 # Block formats with an int8-activation path; the others keep float32 activations.
 INT8_FORMATS = frozenset({WeightFormat.Q4_0, WeightFormat.Q4_1, WeightFormat.Q5_0, WeightFormat.Q5_1,
                           WeightFormat.Q8_0, WeightFormat.Q4_K, WeightFormat.Q5_K, WeightFormat.Q6_K})
-# Block formats with an int16-activation path (K-quants: a Q4_K_M or Q5_K_M file's); the others
-# keep float32 activations.
-INT16_FORMATS = frozenset({WeightFormat.Q4_K, WeightFormat.Q5_K, WeightFormat.Q6_K})
+# Block formats with an int16-activation path (K-quants: a Q4_K_M or Q5_K_M file's, and IQ4_XS);
+# the others keep float32 activations.
+INT16_FORMATS = frozenset({WeightFormat.Q4_K, WeightFormat.Q5_K, WeightFormat.Q6_K, WeightFormat.IQ4_XS})
 
 
 class BlockWeight(nn.Module):

@@ -96,6 +96,11 @@ inline void check_weight(const at::Tensor& weight, int64_t format, int64_t K) {
 // The K-quant formats (256-weight super-blocks with sub-block scales): int8_linear's and
 // int16_linear's integer paths take them apart from the 32-weight blocks.
 inline bool is_kquant(int64_t format) { return format == Q4_K || format == Q5_K || format == Q6_K; }
+// The formats int8_linear multiplies (the 32-weight blocks and the K-quants but Q2_K and Q3_K);
+// any other would be read with a wrong layout, so it refuses them.
+inline bool has_int8_path(int64_t format) {
+  return format == Q4_0 || format == Q4_1 || format == Q5_0 || format == Q5_1 || format == Q8_0 || is_kquant(format);
+}
 // Where Q4_K's and Q5_K's 128 bytes of nibbles start (Q5_K's 32 bytes of fifth bits come first, at 16).
 inline constexpr int64_t nibbles_at(int64_t format) { return format == Q5_K ? 48 : 16; }
 

@@ -1,6 +1,6 @@
 // y = x @ W.T on int16 activations: each row of x rounded to 15 bits (a sign and 14) per 256 columns,
 // then exact integer dot products against a K-quant file's blocks (Q4_K, Q5_K, Q6_K: what a
-// Q4_K_M or Q5_K_M file holds).
+// Q4_K_M or Q5_K_M file holds) and IQ4_XS's.
 //
 // Why: with float32 activations every 4- or 6-bit weight becomes a float before it is multiplied
 // (a conversion and a multiply-add per 8 weights, then the product's own multiply-add), and a CPU
@@ -13,7 +13,8 @@
 //
 // Per row m of x, weight row n and super-block b (256 columns):
 //   w16[c]  = q[c] * scale_j, sub-block j's scale times column c's value (Q4_K: 4 bits times 6,
-//             Q5_K: 5 times 6, Q6_K: (q - 32) times a signed 8-bit scale: |w16| <= 4096)
+//             Q5_K: 5 times 6, Q6_K: (q - 32) times a signed 8-bit scale, IQ4_XS: a value in
+//             -127..113 times scale - 32: |w16| <= 4096)
 //   I       = 8 int32 lanes, lane l the sum over the super-block's 16-column groups of
 //             w16[c] x16[c] for the group's columns 2l and 2l + 1 (32 products a lane, each at
 //             most 4096 * 16383: the sum stays below 2^31, so I is exact)
@@ -64,7 +65,28 @@ constexpr int64_t TILE_ROWS_OF_W = 16;  // weight rows a work item of the tile p
 constexpr int64_t TILE_COLUMNS = 512;   // columns of a tile step: its x and weight rows stay in L1
 constexpr int64_t PREFETCH_AHEAD = 4096;  // bytes: a decode step reads its weight rows this far ahead
 
-inline bool has_min(int64_t format) { return format != Q6_K; }
+// Formats whose super-block is 16 groups of 16 columns, each an int8 scale times int8 values, no
+// mins: Q6_K (q - 32, 16 scales) and IQ4_XS (its table's values; a 32-column sub-block's scale
+// less 32 in both of its groups).
+constexpr bool scaled_groups(int64_t format) { return format == Q6_K || format == IQ4_XS; }
+constexpr bool has_min(int64_t format) { return !scaled_groups(format); }
+
+// A scaled-groups super-block's 16 group scales; returns its d.
+inline float group_scales(int64_t format, const uint8_t* block, int8_t* scales) {
+  if (format == Q6_K) {
+    std::memcpy(scales, block + 192, 16);
+    return half_value(block + 208);
+  }
+  Blocks<IQ4_XS>::scales(block, scales);
+  return half_value(block);
+}
+// Half h (128 columns) of a scaled-groups super-block -> its 128 int8 values.
+inline void group_values(int64_t format, const uint8_t* block, int half, int8_t* q) {
+  if (format == Q6_K)
+    Blocks<Q6_K>::values(block, half, q);
+  else
+    Blocks<IQ4_XS>::values(block, half, q);
+}
 
 // ---- activations ----------------------------------------------------------------------------
 
@@ -105,7 +127,7 @@ Rounded16 round_rows16(const float* x, int64_t M, int64_t K) {
 // ---- a super-block's scales -----------------------------------------------------------------
 
 struct Scales {
-  uint8_t scale[16];  // Q4_K, Q5_K: 8 six-bit scales then 8 six-bit mins; Q6_K: 16 int8 scales
+  uint8_t scale[16];  // Q4_K, Q5_K: 8 six-bit scales then 8 six-bit mins; Q6_K, IQ4_XS: 16 int8 scales
   float d;            // the super-block's float16 scale
   float coef[8];      // Q4_K, Q5_K: -dmin * min_j
 };
@@ -119,9 +141,8 @@ inline __m256 q4k_coefficients(__m128i packed, float dmin) {
 
 inline Scales scales_of(int64_t format, const uint8_t* block) {
   Scales s;
-  if (format == Q6_K) {
-    std::memcpy(s.scale, block + 192, 16);
-    s.d = half_value(block + 208);
+  if (scaled_groups(format)) {
+    s.d = group_scales(format, block, reinterpret_cast<int8_t*>(s.scale));
     std::fill(s.coef, s.coef + 8, 0.0f);
   } else {
     s.d = half_value(block);
@@ -184,14 +205,23 @@ inline __m256i q6k_group(const int8_t* values, int g, __m256i scale) {
   const __m256i q = _mm256_cvtepi8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(values + 16 * g)));
   return _mm256_mullo_epi16(q, scale);
 }
+// IQ4_XS's sub-blocks 2 pair and 2 pair + 1 (32 bytes of nibbles) as their values, in registers:
+// lane t (128 bits) of low holds sub-block 2 pair + t's columns 0..15, of high its columns 16..31.
+inline void iq4xs_pair(const uint8_t* block, int pair, __m256i& low, __m256i& high) {
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
+  const __m256i nibble = _mm256_set1_epi8(15);
+  const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 8 + 32 * pair));
+  low = _mm256_shuffle_epi8(table, _mm256_and_si256(bytes, nibble));
+  high = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble));
+}
 #endif
 
 // Super-block `block` -> its 256 w16 values in column order.
 inline void unpack_block(int64_t format, const uint8_t* block, const Scales& s, int16_t* w) {
-  if (format == Q6_K) {
+  if (scaled_groups(format)) {
     alignas(64) int8_t q[128];
     for (int half = 0; half < 2; ++half) {
-      Blocks<Q6_K>::values(block, half, q);
+      group_values(format, block, half, q);
 #if defined(__AVX2__)
       for (int g = 0; g < 8; ++g)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + 128 * half + 16 * g),
@@ -291,7 +321,7 @@ inline __m256i broadcast_scale(__m256i scales_twice, int lane) {
   return _mm256_shuffle_epi8(scales_twice, _mm256_set1_epi16(int16_t((2 * lane + 1) << 8 | 2 * lane)));
 }
 
-// The weights of a Q4_K, Q5_K or Q6_K super-block as int16 vectors, for decode_row_vector: AVX2's
+// The weights of a Q4_K, Q5_K, Q6_K or IQ4_XS super-block as int16 vectors, for decode_row_vector: AVX2's
 // 16 a register (vpmaddwd, then vpaddd) and AVX-512 VNNI's 32 (vpdpwssd). `unpack` calls add(k, w)
 // for each vector w of columns k.. of the block, fills Q4_K's and Q5_K's coefficients, and returns d.
 
@@ -324,17 +354,35 @@ struct Avx2Words {
       }
       _mm256_store_ps(coef, q4k_coefficients(packed, half_value(block + 2)));
       return half_value(block);
-    } else {
-      const __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192)));
+    } else if constexpr (FORMAT == IQ4_XS) {  // every value in a register, no pass through memory
+      alignas(16) int8_t group_scale[16];  // sub-block j's scale at 2 j (and 2 j + 1)
+      const float d = group_scales(FORMAT, block, group_scale);
+#pragma GCC unroll 4
+      for (int pair = 0; pair < 4; ++pair) {
+        __m256i low, high;
+        iq4xs_pair(block, pair, low, high);
+#pragma GCC unroll 2
+        for (int t = 0; t < 2; ++t) {
+          const __m256i scale = _mm256_set1_epi16(group_scale[2 * (2 * pair + t)]);
+          const auto lane = [&](__m256i v) { return t == 0 ? _mm256_castsi256_si128(v) : _mm256_extracti128_si256(v, 1); };
+          add(64 * pair + 32 * t, _mm256_mullo_epi16(_mm256_cvtepi8_epi16(lane(low)), scale));
+          add(64 * pair + 32 * t + 16, _mm256_mullo_epi16(_mm256_cvtepi8_epi16(lane(high)), scale));
+        }
+      }
+      return d;
+    } else {  // Q6_K
+      alignas(16) int8_t group_scale[16];
+      const float d = group_scales(FORMAT, block, group_scale);
+      const __m256i scales = _mm256_cvtepi8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(group_scale)));
       const __m256i halves[2] = {_mm256_permute2x128_si256(scales, scales, 0x00),
                                  _mm256_permute2x128_si256(scales, scales, 0x11)};
       alignas(64) int8_t q[128];
       for (int half = 0; half < 2; ++half) {
-        Blocks<Q6_K>::values(block, half, q);
+        Blocks<FORMAT>::values(block, half, q);
 #pragma GCC unroll 8
         for (int g = 0; g < 8; ++g) add(128 * half + 16 * g, q6k_group(q, g, broadcast_scale(halves[half], g)));
       }
-      return half_value(block + 208);
+      return d;
     }
   }
 };
@@ -389,14 +437,29 @@ struct Avx512Words {
       }
       _mm256_store_ps(coef, q4k_coefficients(packed, half_value(block + 2)));
       return half_value(block);
-    } else {
-      const __m128i scale_bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192));
+    } else if constexpr (FORMAT == IQ4_XS) {  // a sub-block a register, no pass through memory
+      alignas(16) int8_t group_scale[16];  // sub-block j's scale at 2 j (and 2 j + 1)
+      const float d = group_scales(FORMAT, block, group_scale);
+#pragma GCC unroll 4
+      for (int pair = 0; pair < 4; ++pair) {
+        __m256i low, high;
+        iq4xs_pair(block, pair, low, high);
+        add(64 * pair, _mm512_mullo_epi16(_mm512_cvtepi8_epi16(_mm256_permute2x128_si256(low, high, 0x20)),
+                                          _mm512_set1_epi16(group_scale[4 * pair])));
+        add(64 * pair + 32, _mm512_mullo_epi16(_mm512_cvtepi8_epi16(_mm256_permute2x128_si256(low, high, 0x31)),
+                                               _mm512_set1_epi16(group_scale[4 * pair + 2])));
+      }
+      return d;
+    } else {  // Q6_K
+      alignas(16) int8_t group_scale[16];
+      const float d = group_scales(FORMAT, block, group_scale);
+      const __m128i scale_bytes = _mm_load_si128(reinterpret_cast<const __m128i*>(group_scale));
       alignas(64) int8_t q[128];
       for (int half = 0; half < 2; ++half) {
         // this half's 8 scales as int16 in every 128-bit quarter
         const __m512i half_scales =
             _mm512_broadcast_i32x4(_mm_cvtepi8_epi16(half == 0 ? scale_bytes : _mm_srli_si128(scale_bytes, 8)));
-        Blocks<Q6_K>::values(block, half, q);
+        Blocks<FORMAT>::values(block, half, q);
 #pragma GCC unroll 4
         for (int g = 0; g < 8; g += 2) {
           // groups g and g + 1: scale g in the low 256 bits, scale g + 1 in the high
@@ -406,7 +469,7 @@ struct Avx512Words {
           add(128 * half + 16 * g, _mm512_mullo_epi16(values, _mm512_shuffle_epi8(half_scales, pick)));
         }
       }
-      return half_value(block + 208);
+      return d;
     }
   }
 };
@@ -415,7 +478,7 @@ using DecodeWords = Avx512Words;
 using DecodeWords = Avx2Words;
 #endif
 
-// decode_row for Q4_K, Q5_K and Q6_K with every value in a register: the block's scales broadcast from
+// decode_row for Q4_K, Q5_K, Q6_K and IQ4_XS with every value in a register: the block's scales broadcast from
 // a register (a byte shuffle each) instead of through the stack, the weights multiplied as they
 // are unpacked (Words::unpack: unpack_block's values), the sums named. The same integers as
 // decode_row's, and the same float steps (scales_of's d and coefficients, computed alike): perf
@@ -447,7 +510,7 @@ void decode_row_vector(const Rounded16& a, int64_t m, const uint8_t* row, float*
     const float d = Words::template unpack<FORMAT>(block, coef, add);
 #pragma GCC unroll 16
     for (int i = 0; i < NUM_X; ++i)
-      acc[i] = finish_block(acc[i], Words::fold(lanes[i]), d, dx[i][b], coef, sum[i] + b * 8, FORMAT != Q6_K);
+      acc[i] = finish_block(acc[i], Words::fold(lanes[i]), d, dx[i][b], coef, sum[i] + b * 8, has_min(FORMAT));
   }
   for (int i = 0; i < NUM_X; ++i) y[(m + i) * N] = horizontal_sum(acc[i]);
 }
@@ -465,6 +528,7 @@ void decode_group(int64_t rows, const Rounded16& a, int64_t m, int64_t format, c
   if (format == Q4_K) return decode_row_vector<Q4_K, NUM_X, DecodeWords>(a, m, row, y, K, N);
   if (format == Q5_K) return decode_row_vector<Q5_K, NUM_X, DecodeWords>(a, m, row, y, K, N);
   if (format == Q6_K) return decode_row_vector<Q6_K, NUM_X, DecodeWords>(a, m, row, y, K, N);
+  if (format == IQ4_XS) return decode_row_vector<IQ4_XS, NUM_X, DecodeWords>(a, m, row, y, K, N);
 #endif
   decode_row<NUM_X>(a, m, format, row, y, K, N);
 }
@@ -637,8 +701,8 @@ bool int16_dot_in_hardware() {
 }
 
 at::Tensor int16_linear(const at::Tensor& x, const at::Tensor& weight, int64_t format, int64_t K) {
-  TORCH_CHECK(is_kquant(format), say("int16_linear: weight format ", format,
-                  " has no int16 path (Q4_K, Q5_K and Q6_K have; others run blocked_linear)"));
+  TORCH_CHECK(is_kquant(format) || format == IQ4_XS, say("int16_linear: weight format ", format,
+                  " has no int16 path (Q4_K, Q5_K, Q6_K and IQ4_XS have; others run blocked_linear)"));
   check_weight(weight, format, K);
   check_rows_of_x(x, K, "int16_linear");
   const int64_t M = x.size(0), N = weight.size(0);

@@ -959,8 +959,8 @@ void fused_product(const Activations& a, int64_t format, const uint8_t* w, int64
 }  // namespace
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, int64_t format, int64_t K) {
-  TORCH_CHECK(is_block_format(format), say("int8_linear: weight format ", format,
-                  " has no int8 path (float formats run blocked_linear)"));
+  TORCH_CHECK(has_int8_path(format), say("int8_linear: weight format ", format,
+                  " has no int8 path (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K have; others run blocked_linear)"));
   check_weight(weight, format, K);
   check_rows_of_x(x, K, "int8_linear");
   const int64_t M = x.size(0), N = weight.size(0), Kp = is_kquant(format) ? K : padded(K), row_bytes = weight.size(1);
