@@ -309,7 +309,7 @@ alignas(16) inline constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49,
                                                       1,    13,   25,  38,  53,  69,  89,  113};
 
 #if defined(__AVX512F__)
-inline const v16 kIQ4Floats = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+inline const v16 kIQ4Floats = to_float(widen_signed(kIQ4Values));
 #endif
 
 // 16 bytes of nibbles -> the 32 values of an IQ4 (sub-)block in column order: out[l] the value of
@@ -328,6 +328,18 @@ DRAFTWISE_ALWAYS_INLINE void iq4_values(const uint8_t* p, int8_t* out) {
   }
 #endif
 }
+
+#if defined(__AVX2__)
+// Two IQ4 sub-blocks' 32 bytes of nibbles -> their values in two registers: lane t (128 bits) of
+// low holds sub-block t's columns 0..15, of high its columns 16..31 (iq4_values' two halves).
+DRAFTWISE_ALWAYS_INLINE void iq4_pair_values(const uint8_t* nibbles, __m256i& low, __m256i& high) {
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
+  const __m256i nibble = _mm256_set1_epi8(15);
+  const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles));
+  low = _mm256_shuffle_epi8(table, _mm256_and_si256(bytes, nibble));
+  high = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble));
+}
+#endif
 
 // IQ4_NL (an IQ4_XS file's format where a row is not whole 256-weight blocks): d (float16), 16
 // bytes of nibbles (the low ones are columns 0..15); w = d * kIQ4Values[q], exact in float32 (11
@@ -764,13 +776,10 @@ struct Blocks<IQ4_XS> {
     // kernels read them back 32 bytes at a time (int16_linear's AVX-512 groups), and a load
     // spanning two 16-byte stores waits for both to reach the cache (its one-row IQ4_XS product
     // took 3x float32 activations' time with iq4_values' 16-byte stores).
-    const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
-    const __m256i nibble = _mm256_set1_epi8(15);
 #pragma GCC unroll 2
     for (int s = 0; s < 4; s += 2) {
-      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 16 * s));
-      const __m256i low = _mm256_shuffle_epi8(table, _mm256_and_si256(bytes, nibble));
-      const __m256i high = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble));
+      __m256i low, high;
+      iq4_pair_values(qs + 16 * s, low, high);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * s), _mm256_permute2x128_si256(low, high, 0x20));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * s + 32), _mm256_permute2x128_si256(low, high, 0x31));
     }

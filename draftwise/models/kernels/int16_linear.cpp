@@ -205,15 +205,6 @@ inline __m256i q6k_group(const int8_t* values, int g, __m256i scale) {
   const __m256i q = _mm256_cvtepi8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(values + 16 * g)));
   return _mm256_mullo_epi16(q, scale);
 }
-// IQ4_XS's sub-blocks 2 pair and 2 pair + 1 (32 bytes of nibbles) as their values, in registers:
-// lane t (128 bits) of low holds sub-block 2 pair + t's columns 0..15, of high its columns 16..31.
-inline void iq4xs_pair(const uint8_t* block, int pair, __m256i& low, __m256i& high) {
-  const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
-  const __m256i nibble = _mm256_set1_epi8(15);
-  const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 8 + 32 * pair));
-  low = _mm256_shuffle_epi8(table, _mm256_and_si256(bytes, nibble));
-  high = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble));
-}
 #endif
 
 // Super-block `block` -> its 256 w16 values in column order.
@@ -359,8 +350,8 @@ struct Avx2Words {
       const float d = group_scales(FORMAT, block, group_scale);
 #pragma GCC unroll 4
       for (int pair = 0; pair < 4; ++pair) {
-        __m256i low, high;
-        iq4xs_pair(block, pair, low, high);
+        __m256i low, high;  // sub-blocks 2 pair and 2 pair + 1
+        iq4_pair_values(block + 8 + 32 * pair, low, high);
 #pragma GCC unroll 2
         for (int t = 0; t < 2; ++t) {
           const __m256i scale = _mm256_set1_epi16(group_scale[2 * (2 * pair + t)]);
@@ -371,18 +362,16 @@ struct Avx2Words {
       }
       return d;
     } else {  // Q6_K
-      alignas(16) int8_t group_scale[16];
-      const float d = group_scales(FORMAT, block, group_scale);
-      const __m256i scales = _mm256_cvtepi8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(group_scale)));
+      const __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192)));
       const __m256i halves[2] = {_mm256_permute2x128_si256(scales, scales, 0x00),
                                  _mm256_permute2x128_si256(scales, scales, 0x11)};
       alignas(64) int8_t q[128];
       for (int half = 0; half < 2; ++half) {
-        Blocks<FORMAT>::values(block, half, q);
+        Blocks<Q6_K>::values(block, half, q);
 #pragma GCC unroll 8
         for (int g = 0; g < 8; ++g) add(128 * half + 16 * g, q6k_group(q, g, broadcast_scale(halves[half], g)));
       }
-      return d;
+      return half_value(block + 208);
     }
   }
 };
@@ -442,8 +431,8 @@ struct Avx512Words {
       const float d = group_scales(FORMAT, block, group_scale);
 #pragma GCC unroll 4
       for (int pair = 0; pair < 4; ++pair) {
-        __m256i low, high;
-        iq4xs_pair(block, pair, low, high);
+        __m256i low, high;  // sub-blocks 2 pair and 2 pair + 1
+        iq4_pair_values(block + 8 + 32 * pair, low, high);
         add(64 * pair, _mm512_mullo_epi16(_mm512_cvtepi8_epi16(_mm256_permute2x128_si256(low, high, 0x20)),
                                           _mm512_set1_epi16(group_scale[4 * pair])));
         add(64 * pair + 32, _mm512_mullo_epi16(_mm512_cvtepi8_epi16(_mm256_permute2x128_si256(low, high, 0x31)),
@@ -451,15 +440,13 @@ struct Avx512Words {
       }
       return d;
     } else {  // Q6_K
-      alignas(16) int8_t group_scale[16];
-      const float d = group_scales(FORMAT, block, group_scale);
-      const __m128i scale_bytes = _mm_load_si128(reinterpret_cast<const __m128i*>(group_scale));
+      const __m128i scale_bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192));
       alignas(64) int8_t q[128];
       for (int half = 0; half < 2; ++half) {
         // this half's 8 scales as int16 in every 128-bit quarter
         const __m512i half_scales =
             _mm512_broadcast_i32x4(_mm_cvtepi8_epi16(half == 0 ? scale_bytes : _mm_srli_si128(scale_bytes, 8)));
-        Blocks<FORMAT>::values(block, half, q);
+        Blocks<Q6_K>::values(block, half, q);
 #pragma GCC unroll 4
         for (int g = 0; g < 8; g += 2) {
           // groups g and g + 1: scale g in the low 256 bits, scale g + 1 in the high
@@ -469,7 +456,7 @@ struct Avx512Words {
           add(128 * half + 16 * g, _mm512_mullo_epi16(values, _mm512_shuffle_epi8(half_scales, pick)));
         }
       }
-      return d;
+      return half_value(block + 208);
     }
   }
 };
