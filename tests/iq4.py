@@ -7,6 +7,8 @@ from __future__ import annotations
 import numpy as np
 from gguf import quants
 
+from tests.q3k import signed_scales, signed_steps
+
 VALUES = np.array(quants.IQ4_NL.kvalues, dtype=np.float32)  # the 16 values a nibble stands for, -127..113
 
 
@@ -14,12 +16,6 @@ def _nearest_values(x: np.ndarray, step: np.ndarray) -> np.ndarray:
     """x [..., columns] over grids of VALUES * step [..., 1] -> each column's nearest value's index (uint8)."""
     scaled = np.divide(x, step, out=np.zeros_like(x), where=step != 0)
     return np.searchsorted((VALUES[1:] + VALUES[:-1]) / 2, scaled).astype(np.uint8)  # a tie: the lower value
-
-
-def _signed_steps(x: np.ndarray) -> np.ndarray:
-    """x [..., 32] -> each block's step, signed so that its largest magnitude lands on -127."""
-    extreme = np.take_along_axis(x, np.abs(x).argmax(-1)[..., None], -1)[..., 0]
-    return -extreme / 127
 
 
 def _nibbles(q: np.ndarray) -> np.ndarray:
@@ -34,7 +30,7 @@ def quantize_iq4_nl(weight: np.ndarray) -> np.ndarray:
     rows, columns = weight.shape
     assert columns % 32 == 0, f"{columns} columns are not whole IQ4_NL blocks of 32"
     x = np.asarray(weight, dtype=np.float32).reshape(-1, 32)
-    d = _signed_steps(x).astype(np.float16)
+    d = signed_steps(x, 127).astype(np.float16)  # the largest magnitude at -127
     q = _nearest_values(x, d.astype(np.float32)[:, None])
     return np.concatenate([d.view(np.uint8).reshape(-1, 2), _nibbles(q)], axis=1).reshape(rows, -1)
 
@@ -47,12 +43,9 @@ def quantize_iq4_xs(weight: np.ndarray) -> np.ndarray:
     assert columns % 256 == 0, f"{columns} columns are not whole IQ4_XS blocks of 256"
     x = np.asarray(weight, dtype=np.float32).reshape(-1, 8, 32)  # [blocks, sub-block, column]
     num_blocks = x.shape[0]
-    step = _signed_steps(x)  # [blocks, 8]
-    d = (np.abs(step).max(-1) / 31).astype(np.float16)  # scales -31..31 times d
-    d32 = d.astype(np.float32)[:, None]
-    scales = np.round(np.divide(step, d32, out=np.zeros_like(step), where=d32 > 0)).clip(-32, 31)
-    q = _nearest_values(x, (d32 * scales)[..., None])
-    stored = (scales + 32).astype(np.uint16)  # 0..63, as gguf-py unpacks them
+    d, scales, grid = signed_scales(signed_steps(x, 127))  # [blocks, 8]
+    q = _nearest_values(x, grid[..., None])
+    stored = (scales.astype(np.int16) + 32).astype(np.uint16)  # 0..63, as gguf-py unpacks them
     scales_high = sum((stored[:, j] >> 4) << (2 * j) for j in range(8)).astype(np.uint16)
     scales_low = (stored[:, 0::2] & 15) | (stored[:, 1::2] & 15) << 4
     blocks = np.concatenate([d.view(np.uint8).reshape(-1, 2), scales_high.view(np.uint8).reshape(-1, 2),

@@ -8,6 +8,23 @@ import numpy as np
 BLOCK_BYTES = 110  # per 256 weights: 32 bytes of high bits, 64 of 2-bit lows, 12 of scales, d (float16)
 
 
+def signed_steps(x: np.ndarray, most_negative: int) -> np.ndarray:
+    """x [..., columns] -> each group's grid step, signed so that its largest magnitude lands on the
+    grid's most negative value (-most_negative steps)."""
+    extreme = np.take_along_axis(x, np.abs(x).argmax(-1)[..., None], -1)[..., 0]
+    return -extreme / most_negative
+
+
+def signed_scales(step: np.ndarray):
+    """Steps [blocks, groups] -> each block's float16 d and the groups' signed 6-bit scales (-32..31,
+    stored + 32) under it, with the grid steps they make, d * scale: (d, scales int8, grid float32).
+    Q3_K and IQ4_XS store their groups so."""
+    d = (np.abs(step).max(-1) / 31).astype(np.float16)  # scales -31..31 times d
+    d32 = d.astype(np.float32)[:, None]
+    scales = np.round(np.divide(step, d32, out=np.zeros_like(step), where=d32 > 0)).clip(-32, 31).astype(np.int8)
+    return d, scales, d32 * scales.astype(np.float32)
+
+
 def quantize_q3_k(weight: np.ndarray) -> np.ndarray:
     """float [rows, columns] (columns a multiple of 256) -> Q3_K blocks, uint8 [rows, columns / 256 * 110].
     Each 16-column group gets a signed 6-bit scale under the block's float16 d and values -4..3,
@@ -17,13 +34,7 @@ def quantize_q3_k(weight: np.ndarray) -> np.ndarray:
     assert columns % 256 == 0, f"{columns} columns are not whole Q3_K blocks of 256"
     x = np.asarray(weight, dtype=np.float32).reshape(-1, 16, 16)  # [blocks, group, column]
     num_blocks = x.shape[0]
-    # [blocks, 16]: each group's grid step, signed so that its largest magnitude lands on -4
-    extreme = np.take_along_axis(x, np.abs(x).argmax(-1)[..., None], -1)[..., 0]
-    step = -extreme / 4
-    d = (np.abs(step).max(-1) / 31).astype(np.float16)  # scales -31..31 times d
-    d32 = d.astype(np.float32)[:, None]
-    scales = np.round(np.divide(step, d32, out=np.zeros_like(step), where=d32 > 0)).clip(-32, 31).astype(np.int8)
-    grid = d32 * scales.astype(np.float32)
+    d, scales, grid = signed_scales(signed_steps(x, 4))  # [blocks, 16]: the largest magnitude of a group at -4
     q = np.round(np.divide(x, grid[..., None], out=np.zeros_like(x), where=grid[..., None] != 0))
     q = q.clip(-4, 3).astype(np.int8).reshape(num_blocks, 256)  # column c = 16 g + l
 
