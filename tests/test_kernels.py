@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from draftwise.models import kernels as kernels_module
 from draftwise.models.gguf_index import read_index
-from draftwise.models.linear import BlockLinear, BlockWeight, WeightFormat
+from draftwise.models.linear import INT8_FORMATS, BlockLinear, BlockWeight, WeightFormat
 from tests.iq4 import quantize_iq4_nl, quantize_iq4_xs
 from tests.q2k import quantize_q2_k
 from tests.q3k import quantize_q3_k
@@ -220,7 +220,8 @@ def test_int8_activations_need_block_weights(kernels):
 
 
 INT16_CASES = [(WeightFormat.Q4_K, real_blocks), (WeightFormat.Q6_K, real_blocks),
-               (WeightFormat.Q5_K, requantized_blocks), (WeightFormat.IQ4_XS, requantized_blocks)]
+               (WeightFormat.Q5_K, requantized_blocks), (WeightFormat.Q3_K, requantized_blocks),
+               (WeightFormat.IQ4_XS, requantized_blocks)]
 
 
 @pytest.mark.parametrize("format, make", INT16_CASES, ids=[format.name for format, _ in INT16_CASES])
@@ -231,8 +232,8 @@ def test_int16_activations_compute_the_blocks_times_the_rounded_input(kernels, f
     x = torch.randn(40, num_columns) * 3
     reference = rounded_per_block(x, 256, levels=16383).double() @ dense.T
     unrounded = x.double() @ dense.T
-    # int8's error, or for IQ4_XS (no int8 path) that of the same input rounded to 8 bits per 32
-    int8 = kernels.int8_linear(x, data, int(format), num_columns) if format != WeightFormat.IQ4_XS else \
+    # int8's error, or for Q3_K and IQ4_XS (no int8 path) that of the same input rounded to 8 bits per 32
+    int8 = kernels.int8_linear(x, data, int(format), num_columns) if format in INT8_FORMATS else \
         rounded_per_block(x, 32, levels=127).double() @ dense.T
     int8_error = (int8.double() - unrounded).abs().max()
     for rows in (1, 3, 40):  # the decode kernel (weights multiplied as they are unpacked) and the tile one
@@ -251,7 +252,7 @@ def test_int16_activations_compute_the_blocks_times_the_rounded_input(kernels, f
 # 19 = ... + 1, 21 = ... + 3, 22 = ... + 4, 80 = 13 x 6 + 2 (with 4: + 1, + 3, + 1, + 2, + 0);
 # 80, 97 and 200 span several of its row tiles (at least 64 rows, cut evenly).
 # int16: up to 12 rows (AVX-512 VNNI: 24) the decode path, in even groups of at most 8 (12; 9 =
-# 5 + 4, 13 = 7 + 6; Q4_K, Q5_K, Q6_K and IQ4_XS in registers); beyond, the tile path, 4
+# 5 + 4, 13 = 7 + 6; Q4_K, Q5_K, Q6_K, Q3_K and IQ4_XS in registers); beyond, the tile path, 4
 # rows of x by 2 (AVX-512: 4, then 2, 1) weight rows at a time, in row tiles of at most 96: 13, 14,
 # 15 (AVX-512: 25, 26, 27) end on every smaller block, 97 and 200 span several row tiles.
 ROW_GROUPS = {"int8": (3, 5, 7, 9, 10, 16, 17, 19, 21, 22, 80, 97, 200),
@@ -259,7 +260,7 @@ ROW_GROUPS = {"int8": (3, 5, 7, 9, 10, 16, 17, 19, 21, 22, 80, 97, 200),
 INTEGER_ROW_CASES = [("int8", format) for format in (WeightFormat.Q4_K, WeightFormat.Q5_K, WeightFormat.Q6_K,
                                                      WeightFormat.Q4_1, WeightFormat.Q8_0)] + \
                     [("int16", format) for format in (WeightFormat.Q4_K, WeightFormat.Q5_K, WeightFormat.Q6_K,
-                                                      WeightFormat.IQ4_XS)]
+                                                      WeightFormat.Q3_K, WeightFormat.IQ4_XS)]
 
 
 @pytest.mark.parametrize("activations, format", INTEGER_ROW_CASES,

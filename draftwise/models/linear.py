@@ -68,9 +68,10 @@ ACTIVATION_CODES = {"float32": 0, "int8": 1, "bf16": 2, "amx": 3, "int16": 4}
 # Block formats with an int8-activation path; the others keep float32 activations.
 INT8_FORMATS = frozenset({WeightFormat.Q4_0, WeightFormat.Q4_1, WeightFormat.Q5_0, WeightFormat.Q5_1,
                           WeightFormat.Q8_0, WeightFormat.Q4_K, WeightFormat.Q5_K, WeightFormat.Q6_K})
-# Block formats with an int16-activation path (K-quants: a Q4_K_M or Q5_K_M file's, and IQ4_XS);
-# the others keep float32 activations.
-INT16_FORMATS = frozenset({WeightFormat.Q4_K, WeightFormat.Q5_K, WeightFormat.Q6_K, WeightFormat.IQ4_XS})
+# Block formats with an int16-activation path (K-quants: a Q4_K_M, Q5_K_M or Q3_K_S/M/L file's, and
+# IQ4_XS); the others (Q2_K among them) keep float32 activations.
+INT16_FORMATS = frozenset({WeightFormat.Q4_K, WeightFormat.Q5_K, WeightFormat.Q6_K, WeightFormat.Q3_K,
+                           WeightFormat.IQ4_XS})
 
 
 class BlockWeight(nn.Module):
@@ -256,8 +257,8 @@ def use_activations(module: nn.Module, activations: str) -> nn.Module:
                           "int8 / int4, or use --activations bf16.")
     if activations == "int16" and not any(w.format in INT16_FORMATS for w in weights):
         raise ConfigError("activations='int16' multiplies 16-bit activations with K-quant blocks (Q4_K, Q5_K, "
-                          "Q6_K), and this model has none: use it on a Q4_K_M or Q5_K_M GGUF model, or use "
-                          "--activations float32.")
+                          "Q6_K, Q3_K) and IQ4_XS's, and this model has none: use it on a Q4_K_M, Q5_K_M, Q3_K_M "
+                          "or IQ4_XS GGUF model, or use --activations float32.")
     if activations == "amx" and not weights[0].kernels.amx_in_hardware():
         raise ConfigError("activations='amx' multiplies on AMX tiles, and this CPU (or its kernel) gives none: "
                           "AMX-BF16 is on Intel Xeons since Sapphire Rapids. Use --activations bf16 (the same "

@@ -1,6 +1,6 @@
 // y = x @ W.T on int16 activations: each row of x rounded to 15 bits (a sign and 14) per 256 columns,
 // then exact integer dot products against a K-quant file's blocks (Q4_K, Q5_K, Q6_K: what a
-// Q4_K_M or Q5_K_M file holds) and IQ4_XS's.
+// Q4_K_M or Q5_K_M file holds; Q3_K: a Q3_K_S/M/L file's) and IQ4_XS's.
 //
 // Why: with float32 activations every 4- or 6-bit weight becomes a float before it is multiplied
 // (a conversion and a multiply-add per 8 weights, then the product's own multiply-add), and a CPU
@@ -14,7 +14,7 @@
 // Per row m of x, weight row n and super-block b (256 columns):
 //   w16[c]  = q[c] * scale_j, sub-block j's scale times column c's value (Q4_K: 4 bits times 6,
 //             Q5_K: 5 times 6, Q6_K: (q - 32) times a signed 8-bit scale, IQ4_XS: a value in
-//             -127..113 times scale - 32: |w16| <= 4096)
+//             -127..113 times scale - 32, Q3_K: q in -4..3 times scale - 32: |w16| <= 4096)
 //   I       = 8 int32 lanes, lane l the sum over the super-block's 16-column groups of
 //             w16[c] x16[c] for the group's columns 2l and 2l + 1 (32 products a lane, each at
 //             most 4096 * 16383: the sum stays below 2^31, so I is exact)
@@ -66,9 +66,9 @@ constexpr int64_t TILE_COLUMNS = 512;   // columns of a tile step: its x and wei
 constexpr int64_t PREFETCH_AHEAD = 4096;  // bytes: a decode step reads its weight rows this far ahead
 
 // Formats whose super-block is 16 groups of 16 columns, each an int8 scale times int8 values, no
-// mins: Q6_K (q - 32, 16 scales) and IQ4_XS (its table's values; a 32-column sub-block's scale
-// less 32 in both of its groups).
-constexpr bool scaled_groups(int64_t format) { return format == Q6_K || format == IQ4_XS; }
+// mins: Q6_K (q - 32, 16 scales), Q3_K (q in -4..3, 16 six-bit scales less 32) and IQ4_XS (its
+// table's values; a 32-column sub-block's scale less 32 in both of its groups).
+constexpr bool scaled_groups(int64_t format) { return format == Q6_K || format == Q3_K || format == IQ4_XS; }
 constexpr bool has_min(int64_t format) { return !scaled_groups(format); }
 
 // A scaled-groups super-block's 16 group scales; returns its d.
@@ -77,6 +77,10 @@ inline float group_scales(int64_t format, const uint8_t* block, int8_t* scales) 
     std::memcpy(scales, block + 192, 16);
     return half_value(block + 208);
   }
+  if (format == Q3_K) {
+    Blocks<Q3_K>::scales(block, scales);
+    return half_value(block + 108);
+  }
   Blocks<IQ4_XS>::scales(block, scales);
   return half_value(block);
 }
@@ -84,6 +88,8 @@ inline float group_scales(int64_t format, const uint8_t* block, int8_t* scales) 
 inline void group_values(int64_t format, const uint8_t* block, int half, int8_t* q) {
   if (format == Q6_K)
     Blocks<Q6_K>::values(block, half, q);
+  else if (format == Q3_K)
+    Blocks<Q3_K>::values(block, half, q);
   else
     Blocks<IQ4_XS>::values(block, half, q);
 }
@@ -312,7 +318,7 @@ inline __m256i broadcast_scale(__m256i scales_twice, int lane) {
   return _mm256_shuffle_epi8(scales_twice, _mm256_set1_epi16(int16_t((2 * lane + 1) << 8 | 2 * lane)));
 }
 
-// The weights of a Q4_K, Q5_K, Q6_K or IQ4_XS super-block as int16 vectors, for decode_row_vector: AVX2's
+// The weights of a Q4_K, Q5_K, Q6_K, Q3_K or IQ4_XS super-block as int16 vectors, for decode_row_vector: AVX2's
 // 16 a register (vpmaddwd, then vpaddd) and AVX-512 VNNI's 32 (vpdpwssd). `unpack` calls add(k, w)
 // for each vector w of columns k.. of the block, fills Q4_K's and Q5_K's coefficients, and returns d.
 
@@ -361,17 +367,22 @@ struct Avx2Words {
         }
       }
       return d;
-    } else {  // Q6_K
-      const __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192)));
+    } else {  // Q6_K, Q3_K: 16 int8 group scales (Q6_K's in the block, Q3_K's unpacked first)
+      alignas(16) int8_t unpacked[16];
+      float d;
+      if constexpr (FORMAT == Q3_K) d = group_scales(FORMAT, block, unpacked);
+      const int8_t* scale_bytes = FORMAT == Q6_K ? reinterpret_cast<const int8_t*>(block + 192) : unpacked;
+      const __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scale_bytes)));
       const __m256i halves[2] = {_mm256_permute2x128_si256(scales, scales, 0x00),
                                  _mm256_permute2x128_si256(scales, scales, 0x11)};
       alignas(64) int8_t q[128];
       for (int half = 0; half < 2; ++half) {
-        Blocks<Q6_K>::values(block, half, q);
+        Blocks<FORMAT>::values(block, half, q);
 #pragma GCC unroll 8
         for (int g = 0; g < 8; ++g) add(128 * half + 16 * g, q6k_group(q, g, broadcast_scale(halves[half], g)));
       }
-      return half_value(block + 208);
+      if constexpr (FORMAT == Q6_K) d = half_value(block + 208);
+      return d;
     }
   }
 };
@@ -439,14 +450,18 @@ struct Avx512Words {
                                                _mm512_set1_epi16(group_scale[4 * pair + 2])));
       }
       return d;
-    } else {  // Q6_K
-      const __m128i scale_bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192));
+    } else {  // Q6_K, Q3_K: 16 int8 group scales (Q6_K's in the block, Q3_K's unpacked first)
+      alignas(16) int8_t unpacked[16];
+      float d;
+      if constexpr (FORMAT == Q3_K) d = group_scales(FORMAT, block, unpacked);
+      const __m128i scale_bytes = _mm_loadu_si128(
+          reinterpret_cast<const __m128i*>(FORMAT == Q6_K ? reinterpret_cast<const int8_t*>(block + 192) : unpacked));
       alignas(64) int8_t q[128];
       for (int half = 0; half < 2; ++half) {
         // this half's 8 scales as int16 in every 128-bit quarter
         const __m512i half_scales =
             _mm512_broadcast_i32x4(_mm_cvtepi8_epi16(half == 0 ? scale_bytes : _mm_srli_si128(scale_bytes, 8)));
-        Blocks<Q6_K>::values(block, half, q);
+        Blocks<FORMAT>::values(block, half, q);
 #pragma GCC unroll 4
         for (int g = 0; g < 8; g += 2) {
           // groups g and g + 1: scale g in the low 256 bits, scale g + 1 in the high
@@ -456,7 +471,8 @@ struct Avx512Words {
           add(128 * half + 16 * g, _mm512_mullo_epi16(values, _mm512_shuffle_epi8(half_scales, pick)));
         }
       }
-      return half_value(block + 208);
+      if constexpr (FORMAT == Q6_K) d = half_value(block + 208);
+      return d;
     }
   }
 };
@@ -465,7 +481,7 @@ using DecodeWords = Avx512Words;
 using DecodeWords = Avx2Words;
 #endif
 
-// decode_row for Q4_K, Q5_K, Q6_K and IQ4_XS with every value in a register: the block's scales broadcast from
+// decode_row for Q4_K, Q5_K, Q6_K, Q3_K and IQ4_XS with every value in a register: the block's scales broadcast from
 // a register (a byte shuffle each) instead of through the stack, the weights multiplied as they
 // are unpacked (Words::unpack: unpack_block's values), the sums named. The same integers as
 // decode_row's, and the same float steps (scales_of's d and coefficients, computed alike): perf
@@ -515,6 +531,7 @@ void decode_group(int64_t rows, const Rounded16& a, int64_t m, int64_t format, c
   if (format == Q4_K) return decode_row_vector<Q4_K, NUM_X, DecodeWords>(a, m, row, y, K, N);
   if (format == Q5_K) return decode_row_vector<Q5_K, NUM_X, DecodeWords>(a, m, row, y, K, N);
   if (format == Q6_K) return decode_row_vector<Q6_K, NUM_X, DecodeWords>(a, m, row, y, K, N);
+  if (format == Q3_K) return decode_row_vector<Q3_K, NUM_X, DecodeWords>(a, m, row, y, K, N);
   if (format == IQ4_XS) return decode_row_vector<IQ4_XS, NUM_X, DecodeWords>(a, m, row, y, K, N);
 #endif
   decode_row<NUM_X>(a, m, format, row, y, K, N);
@@ -688,8 +705,8 @@ bool int16_dot_in_hardware() {
 }
 
 at::Tensor int16_linear(const at::Tensor& x, const at::Tensor& weight, int64_t format, int64_t K) {
-  TORCH_CHECK(is_kquant(format) || format == IQ4_XS, say("int16_linear: weight format ", format,
-                  " has no int16 path (Q4_K, Q5_K, Q6_K and IQ4_XS have; others run blocked_linear)"));
+  TORCH_CHECK(is_kquant(format) || format == Q3_K || format == IQ4_XS, say("int16_linear: weight format ", format,
+                  " has no int16 path (Q4_K, Q5_K, Q6_K, Q3_K and IQ4_XS have; others run blocked_linear)"));
   check_weight(weight, format, K);
   check_rows_of_x(x, K, "int16_linear");
   const int64_t M = x.size(0), N = weight.size(0);
