@@ -96,8 +96,9 @@ def test_a_q5k_file_runs_its_blocks_with_the_same_bits_as_its_dequantised_weight
         assert torch.equal(stepped_logits(blocks.model, ids), stepped_logits(dense.model, ids)), f"prompt {prompt!r}"
 
 
-# int8 and int16 (Q5_K's integer dot products: int16's in registers as its Q4_K's, beside the
-# other formats' float32, Q3_K's, Q2_K's and the IQ4s' among them), and the CPU's default where it rounds (amx
+# int8 and int16 (Q5_K's integer dot products: int16's in registers as its Q4_K's; int16's for
+# Q3_K and IQ4_XS too, beside the other formats' float32, Q2_K's and IQ4_NL's among them; int8's
+# beside float32 for all four), and the CPU's default where it rounds (amx
 # on an AMX Xeon, bf16 with AVX-512 BF16): both round the decoded floats of any block format.
 ACTIVATIONS = list(dict.fromkeys(["float32", "int8", "int16", default_activations(own_blocks=True)]))
 
@@ -109,6 +110,9 @@ def test_a_q5k_models_rows_do_not_depend_on_the_rows_beside_them_and_speculation
         target = loading.load(str(q5k_file), activations=activations, progress=False)
     down = target.model.model.layers[0].mlp.down_proj.weight
     assert down.activations == activations
+    if activations == "int16":  # Q3_K and IQ4_XS have int16 paths, Q2_K none (float32 activations)
+        assert [layer.mlp.down_proj.weight.activations for layer in target.model.model.layers[1:4]] == \
+            ["int16", "float32", "int16"]
     model = target.model
     tokens = torch.randint(model.info.vocab_size, (20,), generator=torch.Generator().manual_seed(3))
     alone = one_token_logits(model, tokens)
