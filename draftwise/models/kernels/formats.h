@@ -50,6 +50,16 @@ inline void prefetch_slice(int64_t format, const uint8_t* row, int64_t k0, int64
   for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(start + offset);
 }
 
+// Asks for the `bytes` (a block or two) PREFETCH_AHEAD past p: a decode step that walks its weight
+// rows block by block reads them this far ahead (int16_linear's and int8_linear's decode kernels).
+// Without it an Intel Xeon's hardware prefetchers did not keep those row streams fed (perf,
+// Qwen2.5-Coder-1.5B's one-token step: the block loads were the decode's hottest instructions;
+// int16 on an AMD EPYC Zen 3, 60.5-62.7 -> 49.8-53 ms a token).
+constexpr int64_t PREFETCH_AHEAD = 4096;
+inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
+  for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(p + PREFETCH_AHEAD + line);
+}
+
 inline float half_to_float(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);

@@ -63,7 +63,6 @@ constexpr int DECODE_GROUP = 8;
 #endif
 constexpr int64_t TILE_ROWS_OF_W = 16;  // weight rows a work item of the tile path unpacks
 constexpr int64_t TILE_COLUMNS = 512;   // columns of a tile step: its x and weight rows stay in L1
-constexpr int64_t PREFETCH_AHEAD = 4096;  // bytes: a decode step reads its weight rows this far ahead
 
 // Formats whose super-block is 16 groups of 16 columns, each an int8 scale times int8 values, no
 // mins: Q6_K (q - 32, 16 scales), Q3_K (q in -4..3, 16 six-bit scales less 32) and IQ4_XS (its
@@ -71,18 +70,33 @@ constexpr int64_t PREFETCH_AHEAD = 4096;  // bytes: a decode step reads its weig
 constexpr bool scaled_groups(int64_t format) { return format == Q6_K || format == Q3_K || format == IQ4_XS; }
 constexpr bool has_min(int64_t format) { return !scaled_groups(format); }
 
+// Where a Q6_K or Q3_K super-block keeps its float16 d (IQ4_XS: at 0).
+constexpr int64_t group_d_at(int64_t format) { return format == Q6_K ? 208 : 108; }
+
 // A scaled-groups super-block's 16 group scales; returns its d.
 inline float group_scales(int64_t format, const uint8_t* block, int8_t* scales) {
   if (format == Q6_K) {
     std::memcpy(scales, block + 192, 16);
-    return half_value(block + 208);
+    return half_value(block + group_d_at(format));
   }
   if (format == Q3_K) {
     Blocks<Q3_K>::scales(block, scales);
-    return half_value(block + 108);
+    return half_value(block + group_d_at(format));
   }
   Blocks<IQ4_XS>::scales(block, scales);
   return half_value(block);
+}
+// A Q6_K or Q3_K super-block's 16 int8 group scales for the register unpacks: Q6_K's read
+// straight from the block (through a stack copy its decode ran different instructions: 813eb69),
+// Q3_K's unpacked into `unpacked` first.
+template <int64_t FORMAT>
+DRAFTWISE_ALWAYS_INLINE const int8_t* group_scale_bytes(const uint8_t* block, int8_t* unpacked) {
+  if constexpr (FORMAT == Q6_K) {
+    return reinterpret_cast<const int8_t*>(block + 192);
+  } else {
+    Blocks<Q3_K>::scales(block, unpacked);
+    return unpacked;
+  }
 }
 // Half h (128 columns) of a scaled-groups super-block -> its 128 int8 values.
 inline void group_values(int64_t format, const uint8_t* block, int half, int8_t* q) {
@@ -369,9 +383,7 @@ struct Avx2Words {
       return d;
     } else {  // Q6_K, Q3_K: 16 int8 group scales (Q6_K's in the block, Q3_K's unpacked first)
       alignas(16) int8_t unpacked[16];
-      float d;
-      if constexpr (FORMAT == Q3_K) d = group_scales(FORMAT, block, unpacked);
-      const int8_t* scale_bytes = FORMAT == Q6_K ? reinterpret_cast<const int8_t*>(block + 192) : unpacked;
+      const int8_t* scale_bytes = group_scale_bytes<FORMAT>(block, unpacked);
       const __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scale_bytes)));
       const __m256i halves[2] = {_mm256_permute2x128_si256(scales, scales, 0x00),
                                  _mm256_permute2x128_si256(scales, scales, 0x11)};
@@ -381,8 +393,7 @@ struct Avx2Words {
 #pragma GCC unroll 8
         for (int g = 0; g < 8; ++g) add(128 * half + 16 * g, q6k_group(q, g, broadcast_scale(halves[half], g)));
       }
-      if constexpr (FORMAT == Q6_K) d = half_value(block + 208);
-      return d;
+      return half_value(block + group_d_at(FORMAT));
     }
   }
 };
@@ -452,10 +463,8 @@ struct Avx512Words {
       return d;
     } else {  // Q6_K, Q3_K: 16 int8 group scales (Q6_K's in the block, Q3_K's unpacked first)
       alignas(16) int8_t unpacked[16];
-      float d;
-      if constexpr (FORMAT == Q3_K) d = group_scales(FORMAT, block, unpacked);
-      const __m128i scale_bytes = _mm_loadu_si128(
-          reinterpret_cast<const __m128i*>(FORMAT == Q6_K ? reinterpret_cast<const int8_t*>(block + 192) : unpacked));
+      const __m128i scale_bytes =
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(group_scale_bytes<FORMAT>(block, unpacked)));
       alignas(64) int8_t q[128];
       for (int half = 0; half < 2; ++half) {
         // this half's 8 scales as int16 in every 128-bit quarter
@@ -471,8 +480,7 @@ struct Avx512Words {
           add(128 * half + 16 * g, _mm512_mullo_epi16(values, _mm512_shuffle_epi8(half_scales, pick)));
         }
       }
-      if constexpr (FORMAT == Q6_K) d = half_value(block + 208);
-      return d;
+      return half_value(block + group_d_at(FORMAT));
     }
   }
 };
@@ -501,7 +509,7 @@ void decode_row_vector(const Rounded16& a, int64_t m, const uint8_t* row, float*
   }
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* block = row + b * Blocks<FORMAT>::BYTES;
-    for (int64_t line = 0; line < Blocks<FORMAT>::BYTES; line += 64) __builtin_prefetch(block + PREFETCH_AHEAD + line);
+    prefetch_ahead(block, Blocks<FORMAT>::BYTES);
     typename Words::Lanes lanes[NUM_X];
     for (int i = 0; i < NUM_X; ++i) lanes[i] = Words::zero();
     // fully unrolled for every group size (an `unroll 8` left groups of 9-12 rows in memory)

@@ -63,13 +63,6 @@ constexpr int64_t FUSED_MAX_ROWS = 16;  // at most this many rows of x: weights 
 // AVX2's 16 (a v16 is two of them).
 constexpr int FUSED_ROWS_OF_X_BLOCK32 = kVectorRegisters == 32 ? 8 : 4;
 constexpr int64_t SUPER = 256;  // columns of a K-quant super-block
-// Bytes ahead a decode step asks for its weight row (int16_linear's lead): on an Intel Xeon the
-// hardware prefetchers did not keep these row streams fed (perf, Qwen2.5-Coder-1.5B's one-token
-// int8 forward on an AMX Xeon: the block loads were the decode's hottest instructions).
-constexpr int64_t PREFETCH_AHEAD = 4096;
-inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
-  for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(p + PREFETCH_AHEAD + line);
-}
 
 
 inline int64_t padded(int64_t K) { return (K + CHUNK - 1) / CHUNK * CHUNK; }
