@@ -45,7 +45,10 @@ def main() -> None:
     reference = loading.load(args.model, dtype="float32", progress=False)
     blocks = loading.load(args.model, dtype="auto", progress=False)
     sequences = []
-    for prompt in PROMPTS:
+    prompts = PROMPTS
+    if not getattr(reference.tokenizer, "chat_template", None):  # a base model (Gemma 3 270M): the messages' text
+        prompts = [p if isinstance(p, str) else "\n\n".join(m["content"] for m in p) for p in PROMPTS]
+    for prompt in prompts:
         ids = prompt_ids(reference.tokenizer, prompt)
         continuation = Engine(reference).generate(prompt, SamplingParams(max_new_tokens=args.new_tokens)).token_ids
         sequences.append(torch.cat((ids, torch.tensor(continuation, dtype=torch.long))))

@@ -101,11 +101,20 @@ def gemma_tokenizer():
 
 @pytest.fixture(scope="session")
 def gemma():
-    """Gemma 3 270M (base), through the transformers fallback: its architecture is not native."""
+    """Gemma 3 270M (base) on the native decoder, its file's blocks with float32 activations."""
     from draftwise.models import loading
 
-    _fetched_folder("gemma3-270m")
-    return loading.load("gemma3-270m", dtype="float32", progress=False)
+    return loading.load("gemma3-270m", activations="float32", kv_cache="float32", auto_fetch=True, progress=False)
+
+
+@pytest.fixture(scope="session")
+def hf_gemma(gemma):
+    """The same weights through transformers (models/hf.py's fallback, which other architectures
+    take): the reference for the native Gemma 3 decoder."""
+    from draftwise.models import loading
+    from draftwise.models.hf import load_hf_model
+
+    return load_hf_model(loading.weights_folder(gemma, progress=False), gemma.model.info, torch.float32)
 
 
 # CI runs the suite on two xdist workers, a file at a time (--dist loadfile). Left to itself xdist

@@ -335,6 +335,48 @@ def test_attention_matches_sdpa_and_is_row_invariant(kernels, heads, kv_heads, h
     assert torch.equal(out_tree[3:4], node_3_alone)
 
 
+# Gemma 3 270M's shape (4 heads over 1 key/value head of 256) and SmolLM2's; float32 and bfloat16
+# caches (the bfloat16 one takes the AMX scores where the CPU has them)
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 1, 256), (9, 3, 64)])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_attention_within_a_sliding_window_matches_sdpa_and_is_row_invariant(kernels, heads, kv_heads, head_dim,
+                                                                             cache_dtype):
+    """window > 0: position p sees keys p - window + 1 .. p (transformers' sliding_window_overlay).
+    A prefill chunk longer than the window, its rows alone, and a tree node whose window reaches
+    back into the committed slots all get the arithmetic of a lone query at their position."""
+    torch.manual_seed(5)
+    window, start, num_new = 40, 70, 50  # the chunk's later rows no longer see its first ones
+    keys = torch.randn(kv_heads, 160, head_dim).to(cache_dtype)
+    values = torch.randn(kv_heads, 160, head_dim).to(cache_dtype)
+    queries = torch.randn(num_new, heads, head_dim)
+    causal = torch.empty(0, dtype=torch.bool)
+    scale = 0.07
+    out = kernels.attention(queries, keys, values, start, causal, scale, True, window)
+    if cache_dtype == torch.float32:
+        slot = torch.arange(start + num_new)
+        position = torch.arange(start, start + num_new)[:, None]
+        mask = (slot <= position) & (slot > position - window)
+        reference = F.scaled_dot_product_attention(queries.transpose(0, 1)[None], keys[None, :, :start + num_new],
+                                                   values[None, :, :start + num_new], attn_mask=mask, scale=scale,
+                                                   enable_gqa=True)
+        assert (out - reference[0].transpose(0, 1)).abs().max() < 1e-5
+        without = kernels.attention(queries, keys, values, start, causal, scale, True)
+        assert (out[-1] - without[-1]).abs().max() > 1e-3  # the window matters here
+    alone = torch.cat([kernels.attention(queries[i:i + 1], keys, values, start + i, causal, scale, True, window)
+                       for i in range(num_new)])
+    assert torch.equal(out, alone)
+    # A tree after `start` committed slots, node 3 a child of node 0: its window holds committed
+    # slots start - window + 2 .. start - 1, node 0 and itself, as a lone query at slot start + 1
+    # over a cache holding node 3's key there.
+    tree = torch.eye(5, dtype=torch.bool)
+    tree[:, 0] = True
+    out_tree = kernels.attention(queries[:5], keys, values, start, tree, scale, True, window)
+    moved_keys, moved_values = keys.clone(), values.clone()
+    moved_keys[:, start + 1], moved_values[:, start + 1] = keys[:, start + 3], values[:, start + 3]
+    node_3_alone = kernels.attention(queries[3:4], moved_keys, moved_values, start + 1, causal, scale, True, window)
+    assert torch.equal(out_tree[3:4], node_3_alone)
+
+
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (12, 2, 128), (6, 3, 96)])
 def test_attention_over_a_bfloat16_cache_is_the_float32_arithmetic_on_its_values(kernels, heads, kv_heads, head_dim):
     # --kv-cache bf16: each entry widens to float32 exactly as it is read, so the result is
@@ -493,6 +535,11 @@ def test_a_reaching_back_mask_without_the_kernels(monkeypatch, kernels):
 def test_row_wise_ops_match_pytorch(kernels):
     gate, up = torch.randn(5, 1539) * 4, torch.randn(5, 1539)
     assert (kernels.silu_mul(gate, up) - F.silu(gate) * up).abs().max() < 1e-5
+    gate[0, :4] = torch.tensor([-30.0, 30.0, -1e4, 1e4])  # far tails: no overflow, no NaN
+    gelu = kernels.gelu_tanh_mul(gate, up)
+    assert (gelu - F.gelu(gate, approximate="tanh") * up).abs().max() < 1e-5
+    # each element its own: a row alone gives the same bits as among five
+    assert torch.equal(kernels.gelu_tanh_mul(gate[3:4].contiguous(), up[3:4].contiguous()), gelu[3:4])
     x, weight = torch.randn(6, 576), torch.randn(576)
     reference = weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
     assert (kernels.rms_norm(x, weight, 1e-5) - reference).abs().max() < 1e-5

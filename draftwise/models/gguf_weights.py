@@ -26,14 +26,21 @@ LAYER_NAMES = {
     "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+# Gemma 3 norms each sublayer's input and output: llama.cpp's ffn_norm is its MLP's input norm
+# (transformers' pre_feedforward_layernorm), post_attention_norm the attention's output norm.
+GEMMA3_LAYER_NAMES = {
+    **LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+}
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, architecture: str = "llama") -> str | None:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None for tensors the
-    decoder has no use for (e.g. rope frequency tables)."""
+    decoder has no use for (e.g. rope frequency tables). architecture: transformers' model_type."""
     parts = gguf_name.split(".")
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.{parts[3]}"
+    names = GEMMA3_LAYER_NAMES if architecture == "gemma3_text" else LAYER_NAMES
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
     if len(parts) == 2 and parts[0] in GLOBAL_NAMES:
         return f"{GLOBAL_NAMES[parts[0]]}.{parts[1]}"
     return None
@@ -50,7 +57,7 @@ def read_blocks(path: Path, architecture: str, num_heads: int, num_kv_heads: int
     file = np.memmap(path, dtype=np.uint8, mode="r")
     tensors: dict = {}
     for entry in entries:
-        name = hf_name(entry.name)
+        name = hf_name(entry.name, architecture)
         if name is None:
             continue
         data = torch.from_numpy(np.array(file[entry.offset:entry.offset + entry.num_bytes]))

@@ -1,8 +1,10 @@
 """Any transformers causal LM behind the CausalLM interface: the fallback for architectures the
-native decoder (models/llama.py) does not implement, e.g. Gemma 3.
+native decoder (models/llama.py) does not implement (e.g. Phi-3, Gemma 2).
 
 It is slower than the native decoder (transformers' own forward, a growing DynamicCache), so
-it suits draft models and experiments more than big targets. Rolling back crops the cache.
+it suits draft models and experiments more than big targets. Rolling back crops the cache. Not
+batch-invariant: transformers' products may round a row differently by how many rows share a
+forward, so speculation here equals plain decoding up to near-ties, not bit for bit.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A native decoder for Llama-family weights (Llama, SmolLM2, Qwen2, Mistral).
+"""A native decoder for Llama-family weights (Llama, SmolLM2, Qwen2, Mistral) and Gemma 3's.
 
 It reads the HF state-dict names, so any checkpoint transformers can load for these
 architectures loads here too, and GGUF files with their quantized blocks as shipped
@@ -33,7 +33,7 @@ from draftwise.models.kernels import native_kernels
 from draftwise.models.linear import (ACTIVATION_CODES, BlockEmbedding, BlockLinear, BlockWeight, WeightFormat,
                                      store_weights)
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral", "gemma3_text")
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +50,16 @@ class DecoderShape:
     qkv_bias: bool
     tie_word_embeddings: bool
     max_context: int
+    # Where Gemma 3 differs from Llama (the defaults are Llama's):
+    embed_scale: float = 1.0  # the embedding's rows are multiplied by it (Gemma: sqrt(hidden_size))
+    norm_offset: float = 0.0  # a checkpoint's norm weight w scales by norm_offset + w (Gemma's 1; GGUF files hold 1 + w)
+    qk_norm: bool = False  # each head's query and key RMS-normed before the rotary embedding
+    sandwich_norms: bool = False  # the attention's and the MLP's outputs normed too, before each joins the residual
+    gelu: bool = False  # the MLP gates with GELU's tanh approximation, not SiLU
+    attention_scale: float = 0.0  # the scores' scale; 0: head_dim ** -0.5
+    sliding_window: int = 0  # what the local layers attend within (keys p - window + 1 .. p)
+    local_layers: tuple[int, ...] = ()  # the layers that attend within the window, rotated by local_rope_theta
+    local_rope_theta: float = 0.0
 
     @classmethod
     def from_hf_config(cls, config) -> "DecoderShape":
@@ -59,6 +69,8 @@ class DecoderShape:
                 f"architecture {config.model_type!r} is not supported by the native decoder; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}."
             )
+        if config.model_type == "gemma3_text":
+            return cls._gemma3(config)
         rope = getattr(config, "rope_parameters", None) or {}
         rope_type = rope.get("rope_type", "default")
         if rope_type != "default":
@@ -83,6 +95,59 @@ class DecoderShape:
             qkv_bias=config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             max_context=max_context,
+        )
+
+    @classmethod
+    def _gemma3(cls, config) -> "DecoderShape":
+        """Gemma 3's text decoder (transformers' Gemma3TextConfig): Llama's layers plus scaled
+        embeddings, norms of 1 + w, per-head query and key norms, norms of each sublayer's output,
+        a GELU-gated MLP, and local layers that attend within a sliding window with a rotary base
+        of their own (every sixth layer global)."""
+        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if getattr(config, name, None) is not None:
+                raise ModelLoadError(f"{name}={getattr(config, name)}: Gemma 2's logit soft-capping is not implemented "
+                                     "by the native decoder (Gemma 3 has none).")
+        if getattr(config, "use_bidirectional_attention", False):
+            raise ModelLoadError("use_bidirectional_attention: an encoder's attention, not a causal LM's.")
+        activation = getattr(config, "hidden_activation", "gelu_pytorch_tanh")
+        if activation != "gelu_pytorch_tanh":
+            raise ModelLoadError(f"hidden_activation {activation!r}: the native Gemma 3 decoder gates with "
+                                 "'gelu_pytorch_tanh' only.")
+        rope = getattr(config, "rope_parameters", None) or {}
+        full = rope.get("full_attention") or {"rope_theta": getattr(config, "rope_theta", 1_000_000.0)}
+        local = rope.get("sliding_attention") or {"rope_theta": getattr(config, "rope_local_base_freq", 10_000.0)}
+        for kind, parameters in (("full_attention", full), ("sliding_attention", local)):
+            if parameters.get("rope_type", "default") != "default":
+                raise ModelLoadError(f"rope scaling {parameters['rope_type']!r} on the {kind} layers is not supported "
+                                     "yet (only 'default').")
+        layer_types = getattr(config, "layer_types", None)
+        if layer_types is None:  # older configs: every pattern-th layer global
+            pattern = getattr(config, "sliding_window_pattern", None) or getattr(config, "_sliding_window_pattern", 6)
+            layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                           for i in range(config.num_hidden_layers)]
+        num_heads = config.num_attention_heads
+        return cls(
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=config.head_dim,
+            rms_norm_eps=config.rms_norm_eps,
+            rope_theta=full["rope_theta"],
+            qkv_bias=bool(getattr(config, "attention_bias", False)),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", True)),
+            max_context=config.max_position_embeddings,
+            embed_scale=config.hidden_size ** 0.5,
+            norm_offset=1.0,
+            qk_norm=True,
+            sandwich_norms=True,
+            gelu=True,
+            attention_scale=config.query_pre_attn_scalar ** -0.5,
+            sliding_window=config.sliding_window or 0,
+            local_layers=tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention"),
+            local_rope_theta=local["rope_theta"],
         )
 
 
@@ -124,6 +189,9 @@ class Attention(nn.Module):
         self.k_proj = CheckpointLinear(shape.hidden_size, kv_size, bias=shape.qkv_bias)
         self.v_proj = CheckpointLinear(shape.hidden_size, kv_size, bias=shape.qkv_bias)
         self.o_proj = CheckpointLinear(q_size, shape.hidden_size, bias=False)
+        if shape.qk_norm:
+            self.q_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps)
+            self.k_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
                 spans: list["Span"]) -> torch.Tensor:  # x: [N, hidden], every sequence's rows
@@ -134,6 +202,9 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(num_tokens, s.num_heads, s.head_dim)
         k = self.k_proj(x).view(num_tokens, s.num_kv_heads, s.head_dim)
         v = self.v_proj(x).view(num_tokens, s.num_kv_heads, s.head_dim)
+        if s.qk_norm:  # each head's row (kernels/decoder.cpp's order)
+            q = self.q_norm(q.reshape(-1, s.head_dim)).view(num_tokens, s.num_heads, s.head_dim)
+            k = self.k_norm(k.reshape(-1, s.head_dim)).view(num_tokens, s.num_kv_heads, s.head_dim)
         q = ops.rotary(q, cos, sin)
         k = ops.rotary(k, cos, sin)
         outputs = []
@@ -144,7 +215,8 @@ class Attention(nn.Module):
             cache = span.segment.cache
             cache.write(layer, span.start, k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None])
             outputs.append(ops.attention(q[rows], cache.keys[layer, 0], cache.values[layer, 0], span.start,
-                                         span.segment.attn_mask, amx_scores))  # [T, heads, head_dim]
+                                         span.segment.attn_mask, amx_scores, s.attention_scale or None,
+                                         s.sliding_window if layer in s.local_layers else 0))  # [T, heads, head_dim]
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
         return self.o_proj(out.reshape(num_tokens, -1))
 
@@ -155,9 +227,10 @@ class MLP(nn.Module):
         self.gate_proj = CheckpointLinear(shape.hidden_size, shape.intermediate_size, bias=False)
         self.up_proj = CheckpointLinear(shape.hidden_size, shape.intermediate_size, bias=False)
         self.down_proj = CheckpointLinear(shape.intermediate_size, shape.hidden_size, bias=False)
+        self.gated = ops.gelu_tanh_mul if shape.gelu else ops.silu_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(self.gated(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -167,11 +240,29 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(shape)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.mlp = MLP(shape)
+        self.sandwich = shape.sandwich_norms
+        if self.sandwich:  # Gemma's: post_attention_layernorm norms the attention's output instead
+            self.pre_feedforward_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
                 spans: list["Span"]) -> torch.Tensor:
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, layer, spans))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, spans)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def norms(self) -> dict[str, torch.Tensor | None]:
+        """kernels.Decoder.add_layer's norms: the MLP's input norm and Gemma's extras (None: none)."""
+        attention = self.self_attn
+        return {
+            "mlp_norm": (self.pre_feedforward_layernorm if self.sandwich else self.post_attention_layernorm).weight,
+            "q_norm": attention.q_norm.weight if hasattr(attention, "q_norm") else None,
+            "k_norm": attention.k_norm.weight if hasattr(attention, "k_norm") else None,
+            "attention_output_norm": self.post_attention_layernorm.weight if self.sandwich else None,
+            "mlp_output_norm": self.post_feedforward_layernorm.weight if self.sandwich else None,
+        }
 
 
 class Backbone(nn.Module):
@@ -194,6 +285,9 @@ class LlamaModel(nn.Module):
         self.model = Backbone(shape)
         self.lm_head = CheckpointLinear(shape.hidden_size, shape.vocab_size, bias=False)
         self.rope = RopeTable(shape)
+        # Gemma 3's local layers rotate by a base of their own.
+        self.local_rope = RopeTable(shape, shape.local_rope_theta) if shape.local_layers else None
+        self.embed_scale = torch.tensor(shape.embed_scale, dtype=torch.float32, device="cpu")
         # Run the layers through kernels.Decoder where it is built (one call for all of them);
         # False runs the modules one by one (the reference the tests compare it with).
         self.compiled_layers = True
@@ -210,6 +304,9 @@ class LlamaModel(nn.Module):
         with torch.device("meta"):
             model = cls(shape, info)
         state_dict = {name: tensor.float() for name, tensor in state_dict.items() if name.startswith(("model.", "lm_head."))}
+        if shape.norm_offset:  # Gemma's norms scale by 1 + w: stored so, as a GGUF file stores them
+            state_dict = {name: tensor + shape.norm_offset if name.endswith("norm.weight") else tensor
+                          for name, tensor in state_dict.items()}
         if "lm_head.weight" not in state_dict:
             if not shape.tie_word_embeddings:
                 raise ModelLoadError("checkpoint has no lm_head.weight and does not tie embeddings.")
@@ -269,6 +366,8 @@ class LlamaModel(nn.Module):
         model.model.norm = self.model.norm
         model.lm_head = self.lm_head
         model.rope = self.rope
+        model.local_rope = self.local_rope
+        model.embed_scale = self.embed_scale
         model.cache_dtype = self.cache_dtype
         return model.eval()
 
@@ -308,21 +407,26 @@ class LlamaModel(nn.Module):
         tokens = segments[0].tokens if len(segments) == 1 else torch.cat([s.tokens for s in segments])
         positions = segments[0].positions if len(segments) == 1 else torch.cat([s.positions for s in segments])
         cos, sin = self.rope.lookup(positions)  # [N, 1, head_dim] each
+        local_cos, local_sin = self.local_rope.lookup(positions) if self.local_rope is not None else (cos, sin)
         x = self.model.embed_tokens(tokens)  # [N, hidden]
+        if self.shape.embed_scale != 1.0:
+            x = x * self.embed_scale  # one rounding an element, whatever the rows
         decoder = self._compiled_decoder(spans)
         if decoder is not None:  # the same kernels in one call (kernels/decoder.cpp): the same bits
             kept = sorted({layer for layer in hidden_layers if layer < num_layers})
+            rows = x.shape[0]
             x, *states = decoder.forward(
-                x, cos.view(x.shape[0], -1), sin.view(x.shape[0], -1),
+                x, cos.view(rows, -1), sin.view(rows, -1),
                 [span.segment.cache.keys for span in spans], [span.segment.cache.values for span in spans],
                 [span.start for span in spans], [span.first_row for span in spans], [span.num_rows for span in spans],
                 [_NO_MASK if span.segment.attn_mask is None else span.segment.attn_mask.contiguous() for span in spans],
-                kept)
+                kept, *((local_cos.view(rows, -1), local_sin.view(rows, -1)) if self.local_rope is not None else ()))
             saved = dict(zip(kept, states))
         else:
             saved: dict[int, torch.Tensor] = {}
+            local_layers = self.shape.local_layers
             for index, layer in enumerate(self.model.layers):
-                x = layer(x, cos, sin, index, spans)
+                x = layer(x, *((local_cos, local_sin) if index in local_layers else (cos, sin)), index, spans)
                 if index in hidden_layers:
                     saved[index] = x
         # The rows each segment wants scored: its last num_logits (None = all of them).
@@ -359,16 +463,20 @@ class LlamaModel(nn.Module):
             if [weight.activations for weight in weights] == settings:
                 return decoder
         s = self.shape
-        decoder = kernels.Decoder(s.num_heads, s.num_kv_heads, s.head_dim, s.rms_norm_eps)
+        decoder = kernels.Decoder(s.num_heads, s.num_kv_heads, s.head_dim, s.rms_norm_eps, s.attention_scale,
+                                  s.sliding_window, s.gelu)
         weights = []
-        for layer in self.model.layers:
+        for index, layer in enumerate(self.model.layers):
             linears = [getattr(module, name) for module, name in _layer_linears(layer)]
-            decoder.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+            norms = layer.norms()
+            decoder.add_layer(layer.input_layernorm.weight, norms.pop("mlp_norm"),
                               [linear.weight.data for linear in linears],
                               [int(linear.weight.format) for linear in linears],
                               [linear.weight.num_columns for linear in linears],
                               [ACTIVATION_CODES[linear.weight.activations] for linear in linears],
-                              [_NO_BIAS if linear.bias is None else linear.bias for linear in linears])
+                              [_NO_BIAS if linear.bias is None else linear.bias for linear in linears],
+                              **{name: _NO_BIAS if norm is None else norm for name, norm in norms.items()},
+                              local=index in s.local_layers)
             weights += [linear.weight for linear in linears]
         self._decoder = (decoder, weights, [weight.activations for weight in weights])
         return decoder
@@ -417,9 +525,10 @@ class RopeTable:
 
     ROPE_CHUNK = 1024
 
-    def __init__(self, shape: DecoderShape) -> None:
+    def __init__(self, shape: DecoderShape, theta: float | None = None) -> None:
+        """theta: the rotary base (None: shape.rope_theta)."""
         exponents = torch.arange(0, shape.head_dim, 2, dtype=torch.float32, device="cpu") / shape.head_dim
-        self.inv_freq = 1.0 / (shape.rope_theta**exponents)  # [head_dim / 2]
+        self.inv_freq = 1.0 / ((theta or shape.rope_theta)**exponents)  # [head_dim / 2]
         self.cos = torch.empty(0, shape.head_dim, device="cpu")
         self.sin = torch.empty(0, shape.head_dim, device="cpu")
 

@@ -130,7 +130,7 @@ def load(spec: str, dtype: str = "auto", auto_fetch: bool = False, progress: boo
     linear.default_activations); the result's .activations says which. kv_cache: what the caches
     store keys and values in, "float32", "bf16" or "auto" (bf16 unless the activations are
     float32; kv_cache.cache_dtype); .kv_cache says which. Architectures the
-    native decoder lacks (e.g. Gemma 3) load through transformers instead (models/hf.py)."""
+    native decoder lacks (e.g. Phi-3) load through transformers instead (models/hf.py)."""
     from transformers import AutoConfig, AutoTokenizer
     from safetensors.torch import load_file
 

@@ -47,12 +47,15 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor argmax_rows(const at::Tensor& logits);
 // silu(gate) * up, elementwise, [T, I].
 at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up);
+// gelu(gate) * up with GELU's tanh approximation (PyTorch's approximate="tanh"), elementwise, [T, I].
+at::Tensor gelu_tanh_mul(const at::Tensor& gate, const at::Tensor& up);
 // Rotary position embedding of x [T, H, D] in place, cos / sin [T, D]; bit for bit PyTorch's
 // x * cos + rotate_half(x) * sin.
 void rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 // Attention of new queries over a cache; see rowwise.cpp.
 at::Tensor attention(const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values,
-                        int64_t start, const at::Tensor& mask, double scale, bool amx_scores = false);
+                        int64_t start, const at::Tensor& mask, double scale, bool amx_scores = false,
+                        int64_t window = 0);
 // One sequence's share of a batched forward's attention: its T new queries [T, H, D] (their keys
 // and values already at cache slots start..start+T-1), its cache's keys and values [H_kv,
 // capacity, D] (rows contiguous; k_stride / v_stride elements from one head to the next), float32
@@ -74,6 +77,9 @@ struct AttentionSpan {
   // run on AMX tiles too): see rowwise.cpp's amx_scores. Ignored for a float32 cache, a head_dim
   // that is not a multiple of 32, without AMX, or after use_amx_scores(false).
   bool amx_scores = false;
+  // A sliding window (Gemma 3's local layers), 0 for none: each query sees only the last `window`
+  // keys of those it would see without one (its own included): positions p - window + 1 .. p.
+  int64_t window = 0;
 };
 // attention() for every span at once, in one parallel region: each query's arithmetic is
 // attention()'s, so the bits are the same.

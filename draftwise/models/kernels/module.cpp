@@ -36,16 +36,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &draftwise::rms_norm, "RMSNorm, row by row");
   m.def("argmax_rows", &draftwise::argmax_rows, "each row's argmax (the first of equal maxima, NaN the largest)");
   m.def("silu_mul", &draftwise::silu_mul, "silu(gate) * up");
+  m.def("gelu_tanh_mul", &draftwise::gelu_tanh_mul, "gelu(gate) * up, GELU's tanh approximation");
   m.def("rotary", &draftwise::rotary, "rotary position embedding of x [T, H, D], in place");
   m.def("attention", &draftwise::attention, "attention of new queries over the KV cache (chain or tree mask)",
         pybind11::arg("queries"), pybind11::arg("keys"), pybind11::arg("values"), pybind11::arg("start"),
-        pybind11::arg("mask"), pybind11::arg("scale"), pybind11::arg("amx_scores") = false);
+        pybind11::arg("mask"), pybind11::arg("scale"), pybind11::arg("amx_scores") = false,
+        pybind11::arg("window") = 0);
   m.def("use_amx_scores", &draftwise::use_amx_scores, "attention scores on AMX tiles (where asked and available) or not");
   m.def("amx_scores_enabled", &draftwise::amx_scores_enabled, "whether attention may compute scores on AMX tiles");
   pybind11::class_<draftwise::Decoder>(m, "Decoder", "a decoder's layers run in one call (see decoder.h)")
-      .def(pybind11::init<int64_t, int64_t, int64_t, double>())
-      .def("add_layer", &draftwise::Decoder::add_layer)
+      .def(pybind11::init<int64_t, int64_t, int64_t, double, double, int64_t, bool>(), pybind11::arg("num_heads"),
+           pybind11::arg("num_kv_heads"), pybind11::arg("head_dim"), pybind11::arg("eps"), pybind11::arg("scale") = 0.0,
+           pybind11::arg("window") = 0, pybind11::arg("gelu") = false)
+      .def("add_layer", &draftwise::Decoder::add_layer, pybind11::arg("input_norm"), pybind11::arg("mlp_norm"),
+           pybind11::arg("weights"), pybind11::arg("formats"), pybind11::arg("columns"), pybind11::arg("activations"),
+           pybind11::arg("biases"), pybind11::arg("q_norm") = at::empty({0}), pybind11::arg("k_norm") = at::empty({0}),
+           pybind11::arg("attention_output_norm") = at::empty({0}), pybind11::arg("mlp_output_norm") = at::empty({0}),
+           pybind11::arg("local") = false)
       // The whole forward runs without the GIL (the arguments are converted before it is let
       // go): the server's HTTP thread keeps answering while a long verify forward computes.
-      .def("forward", &draftwise::Decoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+      .def("forward", &draftwise::Decoder::forward, pybind11::arg("x"), pybind11::arg("cos"), pybind11::arg("sin"),
+           pybind11::arg("keys"), pybind11::arg("values"), pybind11::arg("starts"), pybind11::arg("first_rows"),
+           pybind11::arg("num_rows"), pybind11::arg("masks"), pybind11::arg("saved_layers"),
+           pybind11::arg("local_cos") = at::empty({0}), pybind11::arg("local_sin") = at::empty({0}),
+           pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -412,6 +412,34 @@ at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
   return out;
 }
 
+// gelu_tanh(x) = 0.5 x (1 + tanh(u)), u = sqrt(2 / pi) (x + 0.044715 x^3), computed as x * sigmoid(2u)
+// (the same function: 0.5 (1 + tanh(u)) = 1 / (1 + e^-2u)), with e^-|2u| so that nothing overflows.
+// Every element, tail included, goes through the same vector code (silu_mul's layout).
+at::Tensor gelu_tanh_mul(const at::Tensor& gate, const at::Tensor& up) {
+  TORCH_CHECK(gate.sizes() == up.sizes() && gate.scalar_type() == at::kFloat && up.scalar_type() == at::kFloat &&
+              gate.is_contiguous() && up.is_contiguous(), "gelu_tanh_mul: gate and up must be contiguous float32 of one shape");
+  auto out = at::empty_like(gate);
+  const int64_t n = gate.numel();
+  const float* g = gate.data_ptr<float>();
+  const float* u = up.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, (n + 15) / 16, 256, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      float gs[16] = {}, us[16] = {}, os[16];
+      const int64_t k = c * 16, valid = std::min<int64_t>(16, n - k);
+      std::memcpy(gs, g + k, valid * sizeof(float));
+      std::memcpy(us, u + k, valid * sizeof(float));
+      const v16 x = load16(gs);
+      const v16 twice_u = 1.5957691216057308f * (x + 0.044715f * (x * x * x));  // 2 sqrt(2 / pi) (x + 0.044715 x^3)
+      const v16 e = exp16(select(twice_u < 0, twice_u, -twice_u));  // e^-|2u|
+      const v16 gelu = select(twice_u < 0, x * e / (1.0f + e), x / (1.0f + e));
+      store16(os, gelu * load16(us));
+      std::memcpy(o + k, os, valid * sizeof(float));
+    }
+  });
+  return out;
+}
+
 // One head's row of the rotary embedding. Its own function, never inlined, so that the
 // attribute holds wherever it is called from (an OpenMP region is outlined into another function,
 // which would not inherit it).
@@ -524,6 +552,23 @@ void attend(const AttentionSpan& span, int64_t chunks, int64_t item, int64_t H, 
     for (int64_t j = 0; j < width; ++j)
       if (mp[t * width + j]) keys_of[i * row + count[i]++] = int32_t(mask_first + j);
   }
+  // A sliding window keeps the last `window` keys of a list: its positions p - window + 1 .. p, since a
+  // list holds one key per position 0 .. p in position order (a tree node's ancestors are in it as
+  // the positions before its own). moved_from[i]: the first entry of list i whose slot may differ
+  // from its index (the AMX scores below are computed by slot, then compacted from there).
+  [[maybe_unused]] int64_t moved_from[QUERIES];
+  int64_t first_slot = end;  // the lowest slot any query here sees
+  for (int64_t i = 0; i < nt; ++i) {
+    moved_from[i] = causal ? count[i] : mask_first;
+    if (span.window > 0 && count[i] > span.window) {
+      const int64_t drop = count[i] - span.window;
+      std::memmove(keys_of + i * row, keys_of + i * row + drop, span.window * sizeof(int32_t));
+      count[i] = span.window;
+      moved_from[i] = 0;
+    }
+    if (count[i] > 0) first_slot = std::min<int64_t>(first_slot, keys_of[i * row]);
+  }
+  const int64_t first_tile = first_slot / TILE * TILE;  // tiles before it hold no key any query here sees
   // Scores, a tile of keys at a time (four adjacent keys share one reduction: dot4), up to
   // 4 of the group's heads at once sharing each key's loads. A bfloat16 cache's tile is widened
   // to float32 once where several positions read it (a prefill chunk, a draft): else each
@@ -556,12 +601,12 @@ void attend(const AttentionSpan& span, int64_t chunks, int64_t item, int64_t H, 
         for (int64_t i = 0; i < nt; ++i) {
           float* s = scores + (hh * nt + i) * row;
           const int32_t* keys_i = keys_of + i * row;
-          for (int64_t c = causal ? count[i] : mask_first; c < count[i]; ++c) s[c] = s[keys_i[c]];
+          for (int64_t c = moved_from[i]; c < count[i]; ++c) s[c] = s[keys_i[c]];
         }
     }
   }
 #endif
-  for (int64_t j1 = TILE; j1 < (amx ? 0 : end + TILE); j1 += TILE) {
+  for (int64_t j1 = first_tile + TILE; j1 < (amx ? 0 : end + TILE); j1 += TILE) {
     const int64_t tile_start = j1 - TILE;
     widen_tile(K, tile_start, std::min(j1 + 3, total));  // + 3: a dot4 run may cross
     for (int64_t chunk = 0; chunk < head_chunks; ++chunk) {
@@ -668,7 +713,7 @@ void attend(const AttentionSpan& span, int64_t chunks, int64_t item, int64_t H, 
   int64_t cursor[QUERIES] = {};
   static thread_local std::vector<int32_t> tile_slots;  // the tile's slots, from its first
   if (staged) tile_slots.resize(TILE);
-  for (int64_t j1 = TILE; j1 < end + TILE; j1 += TILE) {
+  for (int64_t j1 = first_tile + TILE; j1 < end + TILE; j1 += TILE) {
     const int64_t tile_start = j1 - TILE;
     widen_tile(V, tile_start, std::min(j1, total));
     for (int64_t i = 0; i < nt; ++i) {
@@ -697,7 +742,9 @@ void attend(const AttentionSpan& span, int64_t chunks, int64_t item, int64_t H, 
 // The item's share of the work, for splitting items over threads: its queries x the keys they see.
 double attention_cost(const AttentionSpan& span, int64_t chunks, int64_t item) {
   const ItemRows rows = item_rows(span, chunks, item);
-  return double(rows.nt) * double(span.start + rows.t0 + rows.nt + 16);  // + 16: an item's fixed cost
+  int64_t seen = span.start + rows.t0 + rows.nt;
+  if (span.window > 0) seen = std::min(seen, span.window);
+  return double(rows.nt) * double(seen + 16);  // + 16: an item's fixed cost
 }
 
 }  // namespace
@@ -717,9 +764,12 @@ double attention_cost(const AttentionSpan& span, int64_t chunks, int64_t item) {
 // four dot() calls) and a query's weighted sum of values stays in registers. amx_scores (a
 // bfloat16 cache, a head_dim that is a multiple of 32, where the CPU has AMX tiles and
 // use_amx_scores did not turn them off): the
-// scores come from amx_scores instead, each its own tile element, so the same holds.
+// scores come from amx_scores instead, each its own tile element, so the same holds. window > 0
+// (Gemma 3's sliding-window layers): each query keeps the last `window` keys of its row, which are
+// positions p - window + 1 .. p wherever its row came from (a tree node's row is its committed
+// slots and then its ancestors, one key per position), so a window too gets the same arithmetic.
 at::Tensor attention(const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values,
-                        int64_t start, const at::Tensor& mask, double scale, bool amx_scores) {
+                        int64_t start, const at::Tensor& mask, double scale, bool amx_scores, int64_t window) {
   TORCH_CHECK(queries.dim() == 3 && queries.scalar_type() == at::kFloat && queries.is_contiguous(),
               "attention: queries must be contiguous float32 [T, H, D]");
   const bool bf16 = keys.scalar_type() == at::kBFloat16;
@@ -735,11 +785,12 @@ at::Tensor attention(const at::Tensor& queries, const at::Tensor& keys, const at
   TORCH_CHECK(causal || (mask.dim() == 2 && mask.size(0) == T && mask.size(1) >= T && mask.size(1) <= start + T &&
                          mask.scalar_type() == at::kBool && mask.is_contiguous()),
               "attention: mask must be a contiguous bool [T, W], T <= W <= start + T, or empty");
+  TORCH_CHECK(window >= 0, say("attention: window ", window, " must be 0 (none) or positive"));
   auto out = at::empty_like(queries);
   attention_spans({AttentionSpan{queries.data_ptr<float>(), keys.data_ptr(), values.data_ptr(), bf16,
                                  keys.stride(0), values.stride(0), causal ? nullptr : mask.data_ptr<bool>(),
                                  out.data_ptr<float>(), T, start, causal ? 0 : mask.size(1),
-                                 amx_scores}},
+                                 amx_scores, window}},
                   H, H_kv, D, scale);
   return out;
 }
