@@ -81,16 +81,8 @@ class DecoderShape:
             # Within the window, sliding-window attention is full attention: cap the context
             # there rather than silently attend too far.
             max_context = min(max_context, window)
-        num_heads = config.num_attention_heads
         return cls(
-            vocab_size=config.vocab_size,
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            num_layers=config.num_hidden_layers,
-            num_heads=num_heads,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_heads,
-            rms_norm_eps=config.rms_norm_eps,
+            **_sizes(config),
             rope_theta=rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)),
             qkv_bias=config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
@@ -125,16 +117,8 @@ class DecoderShape:
             pattern = getattr(config, "sliding_window_pattern", None) or getattr(config, "_sliding_window_pattern", 6)
             layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
                            for i in range(config.num_hidden_layers)]
-        num_heads = config.num_attention_heads
         return cls(
-            vocab_size=config.vocab_size,
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            num_layers=config.num_hidden_layers,
-            num_heads=num_heads,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
-            head_dim=config.head_dim,
-            rms_norm_eps=config.rms_norm_eps,
+            **_sizes(config),
             rope_theta=full["rope_theta"],
             qkv_bias=bool(getattr(config, "attention_bias", False)),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", True)),
@@ -149,6 +133,21 @@ class DecoderShape:
             local_layers=tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention"),
             local_rope_theta=local["rope_theta"],
         )
+
+
+def _sizes(config) -> dict:
+    """The sizes every architecture's config gives alike (DecoderShape's first fields)."""
+    num_heads = config.num_attention_heads
+    return dict(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_layers=config.num_hidden_layers,
+        num_heads=num_heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_heads,
+        rms_norm_eps=config.rms_norm_eps,
+    )
 
 
 class CheckpointLinear(nn.Linear):

@@ -387,57 +387,50 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   return out;
 }
 
-at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
+namespace {
+
+// activation(gate) * up, elementwise: every element, tail included, goes through the same vector
+// code, so an element's value never depends on how many rows the tensors hold.
+template <typename Activation>
+at::Tensor gated_product(const at::Tensor& gate, const at::Tensor& up, const char* name, Activation activation) {
   TORCH_CHECK(gate.sizes() == up.sizes() && gate.scalar_type() == at::kFloat && up.scalar_type() == at::kFloat &&
-              gate.is_contiguous() && up.is_contiguous(), "silu_mul: gate and up must be contiguous float32 of one shape");
+              gate.is_contiguous() && up.is_contiguous(),
+              say(name, ": gate and up must be contiguous float32 of one shape"));
   auto out = at::empty_like(gate);
   const int64_t n = gate.numel();
   const float* g = gate.data_ptr<float>();
   const float* u = up.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  // Every element, tail included, goes through the same vector code.
   at::parallel_for(0, (n + 15) / 16, 256, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       float gs[16] = {}, us[16] = {}, os[16];
       const int64_t k = c * 16, valid = std::min<int64_t>(16, n - k);
       std::memcpy(gs, g + k, valid * sizeof(float));
       std::memcpy(us, u + k, valid * sizeof(float));
-      const v16 x = load16(gs);
-      const v16 e = exp16(select(x < 0, x, -x));  // e^-|x|, never overflows
-      const v16 silu = select(x < 0, x * e / (1.0f + e), x / (1.0f + e));
-      store16(os, silu * load16(us));
+      store16(os, activation(load16(gs)) * load16(us));
       std::memcpy(o + k, os, valid * sizeof(float));
     }
   });
   return out;
 }
 
+}  // namespace
+
+at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
+  return gated_product(gate, up, "silu_mul", [](v16 x) {
+    const v16 e = exp16(select(x < 0, x, -x));  // e^-|x|, never overflows
+    return select(x < 0, x * e / (1.0f + e), x / (1.0f + e));
+  });
+}
+
 // gelu_tanh(x) = 0.5 x (1 + tanh(u)), u = sqrt(2 / pi) (x + 0.044715 x^3), computed as x * sigmoid(2u)
 // (the same function: 0.5 (1 + tanh(u)) = 1 / (1 + e^-2u)), with e^-|2u| so that nothing overflows.
-// Every element, tail included, goes through the same vector code (silu_mul's layout).
 at::Tensor gelu_tanh_mul(const at::Tensor& gate, const at::Tensor& up) {
-  TORCH_CHECK(gate.sizes() == up.sizes() && gate.scalar_type() == at::kFloat && up.scalar_type() == at::kFloat &&
-              gate.is_contiguous() && up.is_contiguous(), "gelu_tanh_mul: gate and up must be contiguous float32 of one shape");
-  auto out = at::empty_like(gate);
-  const int64_t n = gate.numel();
-  const float* g = gate.data_ptr<float>();
-  const float* u = up.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  at::parallel_for(0, (n + 15) / 16, 256, [&](int64_t c0, int64_t c1) {
-    for (int64_t c = c0; c < c1; ++c) {
-      float gs[16] = {}, us[16] = {}, os[16];
-      const int64_t k = c * 16, valid = std::min<int64_t>(16, n - k);
-      std::memcpy(gs, g + k, valid * sizeof(float));
-      std::memcpy(us, u + k, valid * sizeof(float));
-      const v16 x = load16(gs);
-      const v16 twice_u = 1.5957691216057308f * (x + 0.044715f * (x * x * x));  // 2 sqrt(2 / pi) (x + 0.044715 x^3)
-      const v16 e = exp16(select(twice_u < 0, twice_u, -twice_u));  // e^-|2u|
-      const v16 gelu = select(twice_u < 0, x * e / (1.0f + e), x / (1.0f + e));
-      store16(os, gelu * load16(us));
-      std::memcpy(o + k, os, valid * sizeof(float));
-    }
+  return gated_product(gate, up, "gelu_tanh_mul", [](v16 x) {
+    const v16 twice_u = 1.5957691216057308f * (x + 0.044715f * (x * x * x));  // 2 sqrt(2 / pi) (x + 0.044715 x^3)
+    const v16 e = exp16(select(twice_u < 0, twice_u, -twice_u));  // e^-|2u|
+    return select(twice_u < 0, x * e / (1.0f + e), x / (1.0f + e));
   });
-  return out;
 }
 
 // One head's row of the rotary embedding. Its own function, never inlined, so that the
