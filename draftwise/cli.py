@@ -345,7 +345,11 @@ def _bench(args) -> int:
     print(f"{len(prompts)} prompts x {len(methods)} methods x {config.repeats} repeats", file=sys.stderr)
     for note in skipped:
         print(f"skipped: {note}", file=sys.stderr)
-    rows = run_bench(methods, prompts, config.max_new_tokens, config.repeats, progress=not args.quiet)
+    chat = bool(getattr(methods[0].engine.tokenizer, "chat_template", None))
+    if not chat:
+        print(f"{args.model} has no chat template (a base model): each prompt goes in as plain text, its messages' "
+              "contents joined by blank lines", file=sys.stderr)
+    rows = run_bench(methods, prompts, config.max_new_tokens, config.repeats, progress=not args.quiet, chat=chat)
     import torch
 
     # BenchConfig set the threads every method ran with (torch's default when not given).
@@ -354,6 +358,7 @@ def _bench(args) -> int:
     paths = write_report(args.out, asdict(config) | {"threads": torch.get_num_threads(),
                                                      "activations": methods[0].engine.target.activations,
                                                      "kv_cache": methods[0].engine.target.kv_cache,
+                                                     "prompts_as": "chat messages" if chat else "plain text",
                                                      "machine": machine()}, rows, skipped)
     print(paths[1].read_text())
     if not any(path.suffix == ".png" for path in paths):

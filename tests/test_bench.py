@@ -87,6 +87,22 @@ def test_small_real_run_matches_plain_greedy_and_writes_reports(smollm2, tmp_pat
     assert "| all | draftwise ngram k<=10 adaptive |" in (tmp_path / "bench.md").read_text()
 
 
+def test_a_base_model_without_a_chat_template_is_benched_on_the_prompts_text(gemma, tmp_path):
+    """Gemma 3 270M has no chat template: the suite's prompts go in as plain text (each message's
+    content, blank lines between them) instead of failing on the first prompt, and the report says so."""
+    config = BenchConfig(model="gemma3-270m", activations="float32", max_new_tokens=12, repeats=1,
+                         with_llama_cpp=False, with_transformers=False, drafters=("none", "ngram"))
+    methods, _ = build_methods(config, progress=False)
+    prompts = load_suite(default_prompt_dir(), categories=["code_edit"], per_category=1)
+    assert prompts[0].as_text() == "\n\n".join(m["content"] for m in prompts[0].messages)
+    rows = run_bench(methods, prompts, config.max_new_tokens, config.repeats, progress=False, chat=False)
+    assert [row["method"] for row in rows] == ["draftwise plain", "draftwise ngram k<=10 adaptive"]
+    assert rows[1]["same_as_reference"] and rows[0]["tokens_per_second"] > 0
+    write_report(tmp_path, {"model": "gemma3-270m", "draft_model": None, "dtype": "auto", "max_new_tokens": 12,
+                            "repeats": 1, "threads": 2, "prompts_as": "plain text"}, rows, [])
+    assert "prompts as plain text (no chat template)" in (tmp_path / "bench.md").read_text()
+
+
 def test_quantized_rows_are_checked_against_their_own_plain_decoding(smollm2):
     config = BenchConfig(max_new_tokens=16, repeats=1, quantize=("int4",), activation_rows=("int8",),
                          with_transformers=False, with_llama_cpp=False)

@@ -24,7 +24,7 @@ class Method(Protocol):
     # on the same weights); None for a method that is itself such a reference.
     reference: str | None
 
-    def run(self, messages: list[dict], max_new_tokens: int) -> MethodOutput:
+    def run(self, messages: list[dict] | str, max_new_tokens: int) -> MethodOutput:
         ...
 
 
@@ -34,7 +34,7 @@ class DraftwiseMethod:
         self.engine = engine
         self.reference = reference
 
-    def run(self, messages: list[dict], max_new_tokens: int) -> MethodOutput:
+    def run(self, messages: list[dict] | str, max_new_tokens: int) -> MethodOutput:
         result = self.engine.generate(messages, SamplingParams(max_new_tokens=max_new_tokens))
         return MethodOutput(result.token_ids, result.metrics)
 
@@ -52,7 +52,7 @@ class TransformersMethod:
         self.eos_token_ids = set(eos_token_ids)
         self.generate_options = generate_options
 
-    def run(self, messages: list[dict], max_new_tokens: int) -> MethodOutput:
+    def run(self, messages: list[dict] | str, max_new_tokens: int) -> MethodOutput:
         input_ids = torch.tensor([self.encode(messages)])
         with torch.no_grad():
             output = self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
@@ -73,7 +73,7 @@ class LlamaCppMethod:
         self.eos_token_ids = set(eos_token_ids)
         self.reference = reference
 
-    def run(self, messages: list[dict], max_new_tokens: int) -> MethodOutput:
+    def run(self, messages: list[dict] | str, max_new_tokens: int) -> MethodOutput:
         # Forget the last prompt's keys and values: generate() would otherwise reuse the longest
         # prefix it shares with this one (the chat template's system prompt on every prompt; the
         # whole prompt on the first, which the warm-up ran), and llama.cpp's rows would skip

@@ -104,7 +104,8 @@ def write_report(out_dir: Path, config: dict, rows: list[dict], skipped: list[st
              f"{f', {kv_cache} KV cache' if (kv_cache := config.get('kv_cache')) and kv_cache != 'auto' else ''}"
              f"{f' (transformers {transformers_dtype})' if transformers_dtype else ''}, "
              f"max_new_tokens {config['max_new_tokens']}, median of {config['repeats']}, "
-             f"{config['threads']} threads")
+             f"{config['threads']} threads"
+             f"{', prompts as plain text (no chat template)' if config.get('prompts_as') == 'plain text' else ''}")
     machine = f" on {describe_machine(config['machine'])}" if config.get("machine") else ""
     table = markdown_table(summary, title + machine)  # every number beside the CPU and kernels it ran on
     if skipped:

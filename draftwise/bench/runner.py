@@ -234,11 +234,12 @@ def _gguf_file(spec: str) -> Path | None:
 
 
 def run_bench(methods: list[Method], prompts: list[BenchPrompt], max_new_tokens: int, repeats: int,
-              progress: bool = True) -> list[dict]:
+              progress: bool = True, chat: bool = True) -> list[dict]:
     """One row per (prompt, method): median tokens/s over repeats, spread, speculation stats,
     and whether the output equals its reference's (plain greedy decoding on the same weights).
-    A method's reference must come before it in methods."""
-    first = list(prompts[0].messages)
+    A method's reference must come before it in methods. chat: give the methods each prompt's
+    messages (else their text: a base model without a chat template)."""
+    first = prompts[0].input(chat)
     for method in methods:  # warm-up: first calls allocate caches and pick kernels
         method.run(first, min(8, max_new_tokens))
     rows = []
@@ -249,7 +250,7 @@ def run_bench(methods: list[Method], prompts: list[BenchPrompt], max_new_tokens:
                 seconds, output = [], None
                 for _ in range(repeats):
                     tic = time.perf_counter()
-                    output = method.run(list(prompt.messages), max_new_tokens)
+                    output = method.run(prompt.input(chat), max_new_tokens)
                     seconds.append(time.perf_counter() - tic)
                     bar.update()
                 outputs[method.name] = output.token_ids

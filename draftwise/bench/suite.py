@@ -16,6 +16,15 @@ class BenchPrompt:
     category: str
     messages: tuple[dict, ...]  # chat messages, rendered with the model's chat template
 
+    def as_text(self) -> str:
+        """The messages' contents as one plain-text prompt (blank lines between them), for a base
+        model without a chat template."""
+        return "\n\n".join(m["content"] for m in self.messages if isinstance(m.get("content"), str))
+
+    def input(self, chat: bool) -> list[dict] | str:
+        """What a method is given: the messages (chat: the model has a chat template), else as_text()."""
+        return list(self.messages) if chat else self.as_text()
+
 
 def default_prompt_dir() -> Path:
     """benchmarks/prompts of the source checkout draftwise runs from."""
