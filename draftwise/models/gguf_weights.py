@@ -19,7 +19,10 @@ from draftwise.errors import ModelLoadError
 from draftwise.models.gguf_index import read_index
 from draftwise.models.linear import NATIVE_FORMATS
 
-GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# rope_freqs: llama.cpp's per-frequency divisors of the rotary angles (Llama 3.1+'s scaling),
+# which transformers' GGUF reader leaves out of the config; loading.load gives them to the shape.
+GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+                "rope_freqs": "rope_freqs"}
 LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",

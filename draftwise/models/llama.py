@@ -20,6 +20,7 @@ The modules remain the reference and the path without kernels.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -60,6 +61,10 @@ class DecoderShape:
     sliding_window: int = 0  # what the local layers attend within (keys p - window + 1 .. p)
     local_layers: tuple[int, ...] = ()  # the layers that attend within the window, rotated by local_rope_theta
     local_rope_theta: float = 0.0
+    # Per-frequency divisors of the rotary angles (Llama 3.1+'s "llama3" scaling, "linear" scaling; a
+    # GGUF file's rope_freqs tensor, llama.cpp's form of the same): () for none. The local layers
+    # of Gemma 3 take none.
+    rope_factors: tuple[float, ...] = ()
 
     @classmethod
     def from_hf_config(cls, config) -> "DecoderShape":
@@ -72,9 +77,8 @@ class DecoderShape:
         if config.model_type == "gemma3_text":
             return cls._gemma3(config)
         rope = getattr(config, "rope_parameters", None) or {}
-        rope_type = rope.get("rope_type", "default")
-        if rope_type != "default":
-            raise ModelLoadError(f"rope scaling {rope_type!r} is not supported yet (only 'default').")
+        sizes = _sizes(config)
+        theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         max_context = config.max_position_embeddings
         window = getattr(config, "sliding_window", None)
         if window and (config.model_type == "mistral" or getattr(config, "use_sliding_window", False)):
@@ -82,8 +86,9 @@ class DecoderShape:
             # there rather than silently attend too far.
             max_context = min(max_context, window)
         return cls(
-            **_sizes(config),
-            rope_theta=rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)),
+            **sizes,
+            rope_theta=theta,
+            rope_factors=rope_divisors(rope, sizes["head_dim"], theta),
             qkv_bias=config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             max_context=max_context,
@@ -108,18 +113,19 @@ class DecoderShape:
         rope = getattr(config, "rope_parameters", None) or {}
         full = rope.get("full_attention") or {"rope_theta": getattr(config, "rope_theta", 1_000_000.0)}
         local = rope.get("sliding_attention") or {"rope_theta": getattr(config, "rope_local_base_freq", 10_000.0)}
-        for kind, parameters in (("full_attention", full), ("sliding_attention", local)):
-            if parameters.get("rope_type", "default") != "default":
-                raise ModelLoadError(f"rope scaling {parameters['rope_type']!r} on the {kind} layers is not supported "
-                                     "yet (only 'default').")
+        if local.get("rope_type", "default") != "default":
+            raise ModelLoadError(f"rope scaling {local['rope_type']!r} on the sliding-window layers is not supported "
+                                 "(only 'default').")
         layer_types = getattr(config, "layer_types", None)
         if layer_types is None:  # older configs: every pattern-th layer global
             pattern = getattr(config, "sliding_window_pattern", None) or getattr(config, "_sliding_window_pattern", 6)
             layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
                            for i in range(config.num_hidden_layers)]
+        sizes = _sizes(config)
         return cls(
-            **_sizes(config),
+            **sizes,
             rope_theta=full["rope_theta"],
+            rope_factors=rope_divisors(full, sizes["head_dim"], full["rope_theta"]),  # the larger Gemma 3s: linear 8
             qkv_bias=bool(getattr(config, "attention_bias", False)),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", True)),
             max_context=config.max_position_embeddings,
@@ -133,6 +139,34 @@ class DecoderShape:
             local_layers=tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention"),
             local_rope_theta=local["rope_theta"],
         )
+
+
+def rope_divisors(parameters: dict, head_dim: int, theta: float) -> tuple[float, ...]:
+    """The per-frequency divisors of the rotary angles a config's rope scaling asks for ("linear":
+    all frequencies by `factor`; "llama3": the low frequencies by `factor`, the high ones not, the
+    band between smoothly, as transformers' _compute_llama3_parameters, in llama.cpp's form of a
+    divisor per frequency), () for "default"; anything else is refused by name."""
+    kind = parameters.get("rope_type", "default")
+    if kind == "default":
+        return ()
+    if kind == "linear":
+        return (float(parameters["factor"]),) * (head_dim // 2)
+    if kind != "llama3":
+        raise ModelLoadError(f"rope scaling {kind!r} is not supported by the native decoder (it runs 'default', "
+                             "'linear' and 'llama3').")
+    factor, low, high = (float(parameters[key]) for key in ("factor", "low_freq_factor", "high_freq_factor"))
+    old_context = float(parameters["original_max_position_embeddings"])
+    divisors = []
+    for index in range(0, head_dim, 2):
+        wavelength = 2 * math.pi * theta ** (index / head_dim)
+        if wavelength < old_context / high:
+            divisors.append(1.0)
+        elif wavelength > old_context / low:
+            divisors.append(factor)
+        else:
+            smooth = (old_context / wavelength - low) / (high - low)
+            divisors.append(1.0 / ((1 - smooth) / factor + smooth))
+    return tuple(divisors)
 
 
 def _sizes(config) -> dict:
@@ -285,7 +319,7 @@ class LlamaModel(nn.Module):
         self.lm_head = CheckpointLinear(shape.hidden_size, shape.vocab_size, bias=False)
         self.rope = RopeTable(shape)
         # Gemma 3's local layers rotate by a base of their own.
-        self.local_rope = RopeTable(shape, shape.local_rope_theta) if shape.local_layers else None
+        self.local_rope = RopeTable(shape, shape.local_rope_theta, ()) if shape.local_layers else None
         self.embed_scale = torch.tensor(shape.embed_scale, dtype=torch.float32, device="cpu")
         # Run the layers through kernels.Decoder where it is built (one call for all of them);
         # False runs the modules one by one (the reference the tests compare it with).
@@ -524,10 +558,14 @@ class RopeTable:
 
     ROPE_CHUNK = 1024
 
-    def __init__(self, shape: DecoderShape, theta: float | None = None) -> None:
-        """theta: the rotary base (None: shape.rope_theta)."""
+    def __init__(self, shape: DecoderShape, theta: float | None = None, factors: tuple[float, ...] | None = None) -> None:
+        """theta: the rotary base (None: shape.rope_theta); factors: each frequency's divisor (None:
+        shape.rope_factors)."""
         exponents = torch.arange(0, shape.head_dim, 2, dtype=torch.float32, device="cpu") / shape.head_dim
         self.inv_freq = 1.0 / ((theta or shape.rope_theta)**exponents)  # [head_dim / 2]
+        factors = shape.rope_factors if factors is None else factors
+        if factors:
+            self.inv_freq = self.inv_freq / torch.tensor(factors, dtype=torch.float32, device="cpu")
         self.cos = torch.empty(0, shape.head_dim, device="cpu")
         self.sin = torch.empty(0, shape.head_dim, device="cpu")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import shutil
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -160,6 +160,8 @@ def load(spec: str, dtype: str = "auto", auto_fetch: bool = False, progress: boo
         bar.update()
         if gguf_file is not None:
             weights = read_blocks(gguf_file, config.model_type, shape.num_heads, shape.num_kv_heads)
+            if (divisors := weights.pop("rope_freqs.weight", None)) is not None:  # Llama 3.1+'s rope scaling
+                shape = rope_scaled(shape, divisors, spec)
             if (note := dequantised_note(gguf_file, weights)) is not None:
                 warnings.warn(note, RuntimeWarning, stacklevel=2)
         else:
@@ -186,6 +188,15 @@ def load(spec: str, dtype: str = "auto", auto_fetch: bool = False, progress: boo
     model.cache_dtype = cache_dtype(kv_cache, activations)
     del weights  # the model copied them out of the mapped files: let the mappings go
     return LoadedModel(model, tokenizer, folder, activations, kv_cache_name(model.cache_dtype))
+
+
+def rope_scaled(shape: DecoderShape, divisors: torch.Tensor, spec: str) -> DecoderShape:
+    """shape with a GGUF file's rope_freqs (one divisor per rotary frequency: how llama.cpp stores
+    Llama 3.1+'s rope scaling, which its config then omits)."""
+    if divisors.numel() != shape.head_dim // 2:
+        raise ModelLoadError(f"{spec}: rope_freqs holds {divisors.numel()} values; its heads of {shape.head_dim} "
+                             f"need {shape.head_dim // 2} (one per rotary frequency).")
+    return replace(shape, rope_factors=tuple(float(value) for value in divisors))
 
 
 def weights_folder(loaded: LoadedModel, progress: bool = True) -> Path:
