@@ -103,11 +103,12 @@ def test_a_gguf_file_loads_from_its_blocks_without_dequantised_weights(tmp_path,
 
 def test_a_files_rope_freqs_become_the_shapes_rotary_divisors(tmp_path):
     """llama.cpp stores Llama 3.1+'s rope scaling as a rope_freqs tensor (one divisor per rotary
-    frequency) and no config key for it: read_blocks keeps it, loading.rope_scaled puts it in the
-    shape, so the rotary table divides each frequency by it (left out, a Llama 3.2 file would run
-    unscaled angles: a silently different model)."""
+    frequency) and no config key for it: gguf_weights.rope_freqs reads it, loading.rope_scaled puts
+    it in the shape (blocks or float weights alike), so the rotary table divides each frequency by
+    it (left out, a Llama 3.2 file would run unscaled angles: a silently different model)."""
     import torch
 
+    from draftwise.models.gguf_weights import rope_freqs
     from draftwise.models.llama import DecoderShape, RopeTable
 
     divisors = np.array([1.0, 1.0, 2.5, 8.0], dtype=np.float32)  # head_dim 8
@@ -118,12 +119,13 @@ def test_a_files_rope_freqs_become_the_shapes_rotary_divisors(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    tensors = read_blocks(tmp_path / "rope.gguf", "llama", 2, 2)
-    assert torch.equal(tensors["rope_freqs.weight"], torch.from_numpy(divisors))
+    read = rope_freqs(tmp_path / "rope.gguf")
+    assert torch.equal(read, torch.from_numpy(divisors))
+    assert rope_freqs(loading.gguf_source("smollm2-135m")) is None  # SmolLM2 has no scaling
     shape = DecoderShape(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
                          num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0, qkv_bias=False,
                          tie_word_embeddings=True, max_context=64)
-    scaled = loading.rope_scaled(shape, tensors["rope_freqs.weight"], "rope.gguf")
+    scaled = loading.rope_scaled(shape, read, "rope.gguf")
     assert scaled.rope_factors == (1.0, 1.0, 2.5, 8.0)
     assert torch.equal(RopeTable(scaled).inv_freq, RopeTable(shape).inv_freq / torch.from_numpy(divisors))
     with pytest.raises(ModelLoadError, match="rope_freqs holds 3 values"):

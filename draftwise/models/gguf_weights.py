@@ -19,10 +19,7 @@ from draftwise.errors import ModelLoadError
 from draftwise.models.gguf_index import read_index
 from draftwise.models.linear import NATIVE_FORMATS
 
-# rope_freqs: llama.cpp's per-frequency divisors of the rotary angles (Llama 3.1+'s scaling),
-# which transformers' GGUF reader leaves out of the config; loading.load gives them to the shape.
-GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
-                "rope_freqs": "rope_freqs"}
+GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -75,6 +72,23 @@ def read_blocks(path: Path, architecture: str, num_heads: int, num_kv_heads: int
             rows = rows[_llama_rotary_rows(rows.shape[0], num_heads if "q_proj" in name else num_kv_heads)]
         tensors[name] = (rows.contiguous(), entry.format, num_columns)
     return tensors
+
+
+def rope_freqs(path: Path) -> torch.Tensor | None:
+    """A GGUF file's rope_freqs tensor: llama.cpp's per-frequency divisors of the rotary angles
+    (how it stores Llama 3.1+'s rope scaling), which transformers' GGUF reader leaves out of the
+    config it writes; None where the file has none. loading.load gives them to the decoder's
+    shape, whichever way the weights are stored."""
+    try:
+        entry = next((e for e in read_index(path) if e.name == "rope_freqs.weight"), None)
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(f"could not read {path} as a GGUF file: {error}") from error
+    if entry is None:
+        return None
+    if entry.format != WeightFormat.F32:
+        raise ModelLoadError(f"{path}: rope_freqs is {entry.format.name}; only F32 is supported.")
+    data = np.fromfile(path, dtype=np.uint8, count=entry.num_bytes, offset=entry.offset)
+    return torch.from_numpy(data.view(np.float32).copy())
 
 
 def _llama_rotary_rows(num_rows: int, num_heads: int) -> torch.Tensor:

@@ -24,7 +24,7 @@ from draftwise.kv_cache import cache_dtype, check_kv_cache, kv_cache_name
 from draftwise.models import registry
 from draftwise.models.base import ModelInfo
 from draftwise.models.hf import HFModel, load_hf_model
-from draftwise.models.gguf_weights import dequantised_note, read_blocks
+from draftwise.models.gguf_weights import dequantised_note, read_blocks, rope_freqs
 from draftwise.models.kernels import native_kernels
 from draftwise.models.linear import (BlockWeight, WeightFormat, check_activations, check_quantize,
                                      default_activations, use_activations)
@@ -157,11 +157,12 @@ def load(spec: str, dtype: str = "auto", auto_fetch: bool = False, progress: boo
             folder = resolve(spec, auto_fetch=auto_fetch, progress=progress)  # transformers reads the weights
             return _load_through_transformers(spec, folder, config, torch_dtype, quantize)
         shape = DecoderShape.from_hf_config(config)
+        source = gguf_file or gguf_source(spec)  # its float weights too come from a GGUF file's
+        if source is not None and (divisors := rope_freqs(source)) is not None:  # Llama 3.1+'s rope scaling
+            shape = rope_scaled(shape, divisors, spec)
         bar.update()
         if gguf_file is not None:
             weights = read_blocks(gguf_file, config.model_type, shape.num_heads, shape.num_kv_heads)
-            if (divisors := weights.pop("rope_freqs.weight", None)) is not None:  # Llama 3.1+'s rope scaling
-                shape = rope_scaled(shape, divisors, spec)
             if (note := dequantised_note(gguf_file, weights)) is not None:
                 warnings.warn(note, RuntimeWarning, stacklevel=2)
         else:
