@@ -109,3 +109,16 @@ def test_rope_scaling_matches_transformers(scaling):
     # the divisors, as a GGUF file's rope_freqs would give them, build the same table
     table = RopeTable(shape, factors=rope_divisors(config.rope_parameters, shape.head_dim, 10000.0))
     assert torch.equal(table.inv_freq, RopeTable(shape).inv_freq)
+
+
+def test_an_unsupported_rope_scaling_is_refused_by_name():
+    from transformers import LlamaConfig
+
+    from draftwise.errors import ModelLoadError
+    from draftwise.models.llama import DecoderShape
+
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+                         max_position_embeddings=512, rope_parameters={"rope_theta": 10000.0, "rope_type": "dynamic",
+                                                                       "factor": 2.0})
+    with pytest.raises(ModelLoadError, match="rope scaling 'dynamic' is not supported"):
+        DecoderShape.from_hf_config(config)
