@@ -122,3 +122,32 @@ def test_an_unsupported_rope_scaling_is_refused_by_name():
                                                                        "factor": 2.0})
     with pytest.raises(ModelLoadError, match="rope scaling 'dynamic' is not supported"):
         DecoderShape.from_hf_config(config)
+
+
+@pytest.mark.parametrize("sliding", [False, True])
+def test_qwen3_matches_transformers(sliding):
+    """Qwen3 is Qwen2 without q/k/v biases, with each head's query and key RMS-normed (weights w)
+    before rope; its optional sliding layers take the decoder's window. Against transformers'
+    Qwen3ForCausalLM on random weights (no Qwen3 weights are packaged here), a prompt longer than
+    the window."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from draftwise.models.base import ModelInfo
+    from draftwise.models.llama import DecoderShape, LlamaModel
+
+    torch.manual_seed(1)
+    config = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=32, max_position_embeddings=512, tie_word_embeddings=True,
+                         use_sliding_window=sliding, sliding_window=48, max_window_layers=1,
+                         rope_parameters={"rope_theta": 10000.0, "rope_type": "default"})
+    reference = Qwen3ForCausalLM(config).eval()
+    for norm in (reference.model.layers[0].self_attn.q_norm, reference.model.layers[1].self_attn.k_norm):
+        norm.weight.data.uniform_(0.5, 1.5)  # not all ones: a norm left out must show
+    shape = DecoderShape.from_hf_config(config)
+    assert shape.qk_norm and (shape.local_layers != ()) == sliding
+    model = LlamaModel.from_state_dict(shape, ModelInfo("tiny", 128, 512, (0,)), reference.state_dict())
+    ids = torch.randint(128, (120,))
+    ours = model.forward(ids, torch.arange(120), model.new_cache(120))
+    with torch.no_grad():
+        expected = reference(ids[None]).logits[0]
+    assert (ours - expected).abs().max() < 1e-5

@@ -28,17 +28,19 @@ LAYER_NAMES = {
 }
 # Gemma 3 norms each sublayer's input and output: llama.cpp's ffn_norm is its MLP's input norm
 # (transformers' pre_feedforward_layernorm), post_attention_norm the attention's output norm.
+QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 GEMMA3_LAYER_NAMES = {
-    **LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    **LAYER_NAMES, **QK_NORM_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
 }
+ARCHITECTURE_LAYER_NAMES = {"gemma3_text": GEMMA3_LAYER_NAMES, "qwen3": {**LAYER_NAMES, **QK_NORM_NAMES}}
 
 
 def hf_name(gguf_name: str, architecture: str = "llama") -> str | None:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None for tensors the
     decoder has no use for (e.g. rope frequency tables). architecture: transformers' model_type."""
     parts = gguf_name.split(".")
-    names = GEMMA3_LAYER_NAMES if architecture == "gemma3_text" else LAYER_NAMES
+    names = ARCHITECTURE_LAYER_NAMES.get(architecture, LAYER_NAMES)
     if parts[0] == "blk" and len(parts) == 4 and parts[2] in names:
         return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
     if len(parts) == 2 and parts[0] in GLOBAL_NAMES:

@@ -34,7 +34,7 @@ from draftwise.models.kernels import native_kernels
 from draftwise.models.linear import (ACTIVATION_CODES, BlockEmbedding, BlockLinear, BlockWeight, WeightFormat,
                                      store_weights)
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral", "gemma3_text")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +81,11 @@ class DecoderShape:
         theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         max_context = config.max_position_embeddings
         window = getattr(config, "sliding_window", None)
-        if window and (config.model_type == "mistral" or getattr(config, "use_sliding_window", False)):
+        local_layers = ()
+        if config.model_type == "qwen3" and window and getattr(config, "use_sliding_window", False):
+            # Qwen3's sliding layers (layer_types): the decoder's window, Gemma 3's, at the same rotary base
+            local_layers = tuple(i for i, kind in enumerate(config.layer_types) if kind == "sliding_attention")
+        elif window and (config.model_type == "mistral" or getattr(config, "use_sliding_window", False)):
             # Within the window, sliding-window attention is full attention: cap the context
             # there rather than silently attend too far.
             max_context = min(max_context, window)
@@ -92,6 +96,10 @@ class DecoderShape:
             qkv_bias=config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             max_context=max_context,
+            qk_norm=config.model_type == "qwen3",  # Qwen3 norms each head's query and key (w, not Gemma's 1 + w)
+            sliding_window=window if local_layers else 0,
+            local_layers=local_layers,
+            local_rope_theta=theta if local_layers else 0.0,
         )
 
     @classmethod
