@@ -446,6 +446,21 @@ def test_a_completion_prompt_the_tokenizer_drops_entirely_gets_a_400(server):
     assert "no tokens" in response.json()["error"]["message"]
 
 
+def test_a_base_model_answers_chat_with_a_400_naming_completions_and_serves_completions(gemma):
+    """Gemma 3 270M has no chat template: a chat request is a 400 that says where to send the text,
+    and /v1/completions serves it (the greedy text draftwise generate gives)."""
+    engine = Engine(gemma)
+    with ServerThread(engine, max_batch=2) as live:
+        chat = httpx.post(live.url + "/v1/chat/completions", timeout=120,
+                          json={"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8})
+        assert chat.status_code == 400
+        assert "/v1/completions" in chat.json()["error"]["message"] and chat.json()["error"]["param"] == "messages"
+        text = httpx.post(live.url + "/v1/completions", timeout=120,
+                          json={"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0})
+        assert text.status_code == 200
+        assert text.json()["choices"][0]["text"] == engine.generate("The capital of France is", max_new_tokens=8).text
+
+
 def test_the_queue_limit_answers_429_with_retry_after(engine):
     with ServerThread(engine, max_batch=1, max_queue=1) as small:
         body = {"prompt": "Count to one hundred:", "max_tokens": 64, "temperature": 0}

@@ -158,6 +158,9 @@ def create_app(engine: Engine, scheduler: Scheduler, settings: ServerSettings = 
             raise APIError(404, f"model {body.model!r} is not served here; this server serves {served!r} (GET /v1/models).",
                            param="model", code="model_not_found")
         infill_stops: tuple[int, ...] = ()
+        if kind == "chat" and not engine.tokenizer.chat_template:
+            raise APIError(400, f"{served} has no chat template (a base model): send the text as a prompt to "
+                           "/v1/completions instead.", param="messages")
         try:
             if kind == "text" and body.suffix:
                 prompt_ids, infill_stops = infill_prompt(engine.tokenizer, prompt, body.suffix)
