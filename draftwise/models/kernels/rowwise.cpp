@@ -37,9 +37,10 @@ struct ScoreTiles {  // ldtilecfg's 64-byte layout
 // the hardware's per-element sum of its key row and its query column, whatever else the tiles
 // hold (amx_linear.cpp relies on the same property, measured), so a query's score for a key is
 // the same bits whatever other queries and keys share the forward. queries[q]: q's D floats;
-// out has room for a multiple of 16 query rows and 16 slots past end.
-void amx_scores(const float* const* queries, int64_t num_queries, const uint16_t* K, int64_t end, int64_t total,
-                int64_t D, float* out, int64_t row) {
+// out has room for a multiple of 16 query rows and 16 slots past end. Slots before `first` (a
+// sliding window's start: no query here sees them) are not scored.
+void amx_scores(const float* const* queries, int64_t num_queries, const uint16_t* K, int64_t first, int64_t end,
+                int64_t total, int64_t D, float* out, int64_t row) {
   ScoreTiles config;
   for (int t = 0; t < 8; ++t) {
     config.rows[t] = 16;
@@ -67,7 +68,7 @@ void amx_scores(const float* const* queries, int64_t num_queries, const uint16_t
         b[(g * steps + step) * 256 + r * 16 + column] = pair;
       }
   }
-  for (int64_t j0 = 0; j0 < end; j0 += 16) {
+  for (int64_t j0 = first / 16 * 16; j0 < end; j0 += 16) {
     const uint16_t* keys = K + j0 * D;
     // The hardware prefetchers do not follow a tile's rows (amx_linear.cpp's pair_products): ask
     // for the keys two blocks ahead (a forward's cache is read from memory, not from L2).
@@ -589,7 +590,7 @@ void attend(const AttentionSpan& span, int64_t chunks, int64_t item, int64_t H, 
       query_rows.resize(num_queries);
       for (int64_t hh = 0; hh < group; ++hh)
         for (int64_t i = 0; i < nt; ++i) query_rows[hh * nt + i] = span.queries + ((t0 + i) * H + g * group + hh) * D;
-      amx_scores(query_rows.data(), num_queries, K, end, total, D, scores, row);
+      amx_scores(query_rows.data(), num_queries, K, first_tile, end, total, D, scores, row);
       for (int64_t hh = 0; hh < group; ++hh)
         for (int64_t i = 0; i < nt; ++i) {
           float* s = scores + (hh * nt + i) * row;
