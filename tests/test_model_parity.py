@@ -124,6 +124,34 @@ def test_an_unsupported_rope_scaling_is_refused_by_name():
         DecoderShape.from_hf_config(config)
 
 
+@pytest.mark.parametrize("architecture", ["qwen2", "mistral"])
+def test_sliding_window_architectures_match_transformers(architecture):
+    """Qwen2's sliding layers (from max_window_layers on) and Mistral's (all of them) attend within
+    the decoder's window, as Gemma 3's local layers do: against transformers on random weights, a
+    prompt 2.5x the window."""
+    from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
+
+    from draftwise.models.base import ModelInfo
+    from draftwise.models.llama import DecoderShape, LlamaModel
+
+    torch.manual_seed(2)
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, sliding_window=48,
+                  rope_parameters={"rope_theta": 10000.0, "rope_type": "default"})
+    config = (Qwen2Config(**common, use_sliding_window=True, max_window_layers=1) if architecture == "qwen2"
+              else MistralConfig(**common))
+    reference = AutoModelForCausalLM.from_config(config).eval()
+    shape = DecoderShape.from_hf_config(config)
+    assert shape.sliding_window == 48 and shape.local_layers == ((1,) if architecture == "qwen2" else (0, 1))
+    assert shape.max_context == 512  # no longer capped at the window
+    model = LlamaModel.from_state_dict(shape, ModelInfo("tiny", 128, 512, (0,)), reference.state_dict())
+    ids = torch.randint(128, (120,))
+    ours = model.forward(ids, torch.arange(120), model.new_cache(120))
+    with torch.no_grad():
+        expected = reference(ids[None]).logits[0]
+    assert (ours - expected).abs().max() < 1e-5
+
+
 @pytest.mark.parametrize("sliding", [False, True])
 def test_qwen3_matches_transformers(sliding):
     """Qwen3 is Qwen2 without q/k/v biases, with each head's query and key RMS-normed (weights w)

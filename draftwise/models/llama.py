@@ -82,10 +82,14 @@ class DecoderShape:
         max_context = config.max_position_embeddings
         window = getattr(config, "sliding_window", None)
         local_layers = ()
-        if config.model_type == "qwen3" and window and getattr(config, "use_sliding_window", False):
-            # Qwen3's sliding layers (layer_types): the decoder's window, Gemma 3's, at the same rotary base
-            local_layers = tuple(i for i, kind in enumerate(config.layer_types) if kind == "sliding_attention")
-        elif window and (config.model_type == "mistral" or getattr(config, "use_sliding_window", False)):
+        layer_types = getattr(config, "layer_types", None)
+        if window and config.model_type in ("qwen2", "qwen3") and layer_types:
+            # Qwen's sliding layers (layer_types: those from max_window_layers on, with use_sliding_window)
+            # attend within the decoder's window (Gemma 3's), at the same rotary base
+            local_layers = tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
+        elif window and config.model_type == "mistral":  # every layer within the window
+            local_layers = tuple(range(config.num_hidden_layers))
+        elif window and getattr(config, "use_sliding_window", False):
             # Within the window, sliding-window attention is full attention: cap the context
             # there rather than silently attend too far.
             max_context = min(max_context, window)
