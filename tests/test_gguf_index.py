@@ -130,3 +130,36 @@ def test_a_files_rope_freqs_become_the_shapes_rotary_divisors(tmp_path):
     assert torch.equal(RopeTable(scaled).inv_freq, RopeTable(shape).inv_freq / torch.from_numpy(divisors))
     with pytest.raises(ModelLoadError, match="rope_freqs holds 3 values"):
         loading.rope_scaled(shape, torch.ones(3), "rope.gguf")
+
+
+def test_a_files_rope_scaling_metadata_is_applied_or_refused(tmp_path):
+    """`<arch>.rope.scaling.*` (a Gemma 3 4B file's linear factor 8 on its global layers), which
+    transformers' GGUF reader leaves out of the config: applied as divisors; a kind the decoder
+    does not run (yarn) refused by name instead of run unscaled; the packaged files have none."""
+    from draftwise.errors import ModelLoadError
+    from draftwise.models.gguf_weights import rope_scaling
+    from draftwise.models.llama import DecoderShape
+
+    def write(name: str, kind: str, factor: float):
+        writer = GGUFWriter(tmp_path / name, "gemma3")
+        writer.add_string("gemma3.rope.scaling.type", kind)  # as llama.cpp's converter writes it
+        writer.add_float32("gemma3.rope.scaling.factor", factor)
+        writer.add_uint32("gemma3.rope.scaling.original_context_length", 4096)
+        writer.add_tensor("output_norm.weight", np.ones(16, dtype=np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        return tmp_path / name
+
+    linear = write("linear.gguf", "linear", 8.0)
+    assert rope_scaling(linear) == {"rope_type": "linear", "factor": 8.0, "original_max_position_embeddings": 4096}
+    shape = DecoderShape(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                         num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0, qkv_bias=False,
+                         tie_word_embeddings=True, max_context=64)
+    assert loading.gguf_rope_scaling(shape, linear, "linear.gguf").rope_factors == (8.0,) * 4
+    with pytest.raises(ModelLoadError, match="rope scaling 'yarn' is not supported"):
+        loading.gguf_rope_scaling(shape, write("yarn.gguf", "yarn", 4.0), "yarn.gguf")
+    for name in ("smollm2-135m", "gemma3-270m"):
+        loading.resolve(name, auto_fetch=True, progress=False, weights=False)
+        assert rope_scaling(loading.gguf_source(name)) == {}

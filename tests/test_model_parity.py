@@ -124,6 +124,18 @@ def test_an_unsupported_rope_scaling_is_refused_by_name():
         DecoderShape.from_hf_config(config)
 
 
+def _native_and_reference_logits(shape, reference, length: int = 120) -> tuple[torch.Tensor, torch.Tensor]:
+    """A tiny random transformers model's weights on the native decoder: its logits and the
+    reference's over `length` random tokens."""
+    from draftwise.models.base import ModelInfo
+    from draftwise.models.llama import LlamaModel
+
+    model = LlamaModel.from_state_dict(shape, ModelInfo("tiny", 128, 512, (0,)), reference.state_dict())
+    ids = torch.randint(128, (length,))
+    with torch.no_grad():
+        return model.forward(ids, torch.arange(length), model.new_cache(length)), reference(ids[None]).logits[0]
+
+
 @pytest.mark.parametrize("architecture", ["qwen2", "mistral"])
 def test_sliding_window_architectures_match_transformers(architecture):
     """Qwen2's sliding layers (from max_window_layers on) and Mistral's (all of them) attend within
@@ -131,8 +143,7 @@ def test_sliding_window_architectures_match_transformers(architecture):
     prompt 2.5x the window."""
     from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
 
-    from draftwise.models.base import ModelInfo
-    from draftwise.models.llama import DecoderShape, LlamaModel
+    from draftwise.models.llama import DecoderShape
 
     torch.manual_seed(2)
     common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -144,11 +155,7 @@ def test_sliding_window_architectures_match_transformers(architecture):
     shape = DecoderShape.from_hf_config(config)
     assert shape.sliding_window == 48 and shape.local_layers == ((1,) if architecture == "qwen2" else (0, 1))
     assert shape.max_context == 512  # no longer capped at the window
-    model = LlamaModel.from_state_dict(shape, ModelInfo("tiny", 128, 512, (0,)), reference.state_dict())
-    ids = torch.randint(128, (120,))
-    ours = model.forward(ids, torch.arange(120), model.new_cache(120))
-    with torch.no_grad():
-        expected = reference(ids[None]).logits[0]
+    ours, expected = _native_and_reference_logits(shape, reference)
     assert (ours - expected).abs().max() < 1e-5
 
 
@@ -160,8 +167,7 @@ def test_qwen3_matches_transformers(sliding):
     the window."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from draftwise.models.base import ModelInfo
-    from draftwise.models.llama import DecoderShape, LlamaModel
+    from draftwise.models.llama import DecoderShape
 
     torch.manual_seed(1)
     config = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -173,9 +179,5 @@ def test_qwen3_matches_transformers(sliding):
         norm.weight.data.uniform_(0.5, 1.5)  # not all ones: a norm left out must show
     shape = DecoderShape.from_hf_config(config)
     assert shape.qk_norm and (shape.local_layers != ()) == sliding
-    model = LlamaModel.from_state_dict(shape, ModelInfo("tiny", 128, 512, (0,)), reference.state_dict())
-    ids = torch.randint(128, (120,))
-    ours = model.forward(ids, torch.arange(120), model.new_cache(120))
-    with torch.no_grad():
-        expected = reference(ids[None]).logits[0]
+    ours, expected = _native_and_reference_logits(shape, reference)
     assert (ours - expected).abs().max() < 1e-5

@@ -32,6 +32,8 @@ STRING, ARRAY = 8, 9
 # Bytes of each fixed-size metadata value type (gguf's GGUFValueType numbering).
 FIXED_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 UINT32 = 4
+# struct formats of the scalar metadata types (read_metadata)
+SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 
 
 class GGUFFormatError(ValueError):
@@ -108,7 +110,16 @@ def read_index(path: Path) -> list[TensorEntry]:
             return _read(_Cursor(buffer, path))
 
 
-def _read(cursor: _Cursor) -> list[TensorEntry]:
+def read_metadata(path: Path, wanted) -> dict[str, object]:
+    """The file's scalar and string metadata values whose keys wanted(key) accepts (arrays are
+    skipped), e.g. `llama.rope.scaling.type`, which transformers' GGUF reader leaves out."""
+    found: dict[str, object] = {}
+    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as buffer:
+        _read(_Cursor(buffer, Path(path)), wanted, found)
+    return found
+
+
+def _read(cursor: _Cursor, wanted=None, found: dict | None = None) -> list[TensorEntry]:
     path, size = cursor.path, len(cursor.buffer)
     if cursor.buffer[:4] != MAGIC:
         raise GGUFFormatError(f"{path} does not start with GGUF's magic bytes")
@@ -126,6 +137,10 @@ def _read(cursor: _Cursor) -> list[TensorEntry]:
             alignment = cursor.number("<I")
             if alignment == 0 or alignment & (alignment - 1):
                 raise GGUFFormatError(f"{path}: general.alignment {alignment} is not a power of two")
+        elif wanted is not None and (value_type in SCALAR_FORMATS or value_type == STRING) and wanted(name := key.decode(
+                "utf-8", errors="replace")):
+            found[name] = (cursor.number(SCALAR_FORMATS[value_type]) if value_type in SCALAR_FORMATS
+                           else cursor.string().decode("utf-8", errors="replace"))
         else:
             cursor.skip_value(value_type)
     infos = []

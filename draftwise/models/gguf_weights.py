@@ -16,7 +16,7 @@ import torch
 from gguf import GGMLQuantizationType as WeightFormat
 
 from draftwise.errors import ModelLoadError
-from draftwise.models.gguf_index import read_index
+from draftwise.models.gguf_index import read_index, read_metadata
 from draftwise.models.linear import NATIVE_FORMATS
 
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -91,6 +91,21 @@ def rope_freqs(path: Path) -> torch.Tensor | None:
         raise ModelLoadError(f"{path}: rope_freqs is {entry.format.name}; only F32 is supported.")
     data = np.fromfile(path, dtype=np.uint8, count=entry.num_bytes, offset=entry.offset)
     return torch.from_numpy(data.view(np.float32).copy())
+
+
+def rope_scaling(path: Path) -> dict:
+    """A GGUF file's `<arch>.rope.scaling.*` metadata as a rope_parameters dict ({} for none):
+    transformers' GGUF reader writes no rope scaling into the config of most architectures (a
+    Gemma 3 4B file's linear factor 8 on its global layers, for one)."""
+    prefix = ".rope.scaling."
+    values = read_metadata(path, lambda key: prefix in key)
+    scaling = {key.split(prefix, 1)[1]: value for key, value in values.items()}
+    kind = scaling.pop("type", "none")
+    if kind == "none":
+        return {}
+    if "original_context_length" in scaling:
+        scaling["original_max_position_embeddings"] = scaling.pop("original_context_length")
+    return {"rope_type": kind, **scaling}
 
 
 def _llama_rotary_rows(num_rows: int, num_heads: int) -> torch.Tensor:

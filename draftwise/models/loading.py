@@ -24,11 +24,11 @@ from draftwise.kv_cache import cache_dtype, check_kv_cache, kv_cache_name
 from draftwise.models import registry
 from draftwise.models.base import ModelInfo
 from draftwise.models.hf import HFModel, load_hf_model
-from draftwise.models.gguf_weights import dequantised_note, read_blocks, rope_freqs
+from draftwise.models.gguf_weights import dequantised_note, read_blocks, rope_freqs, rope_scaling
 from draftwise.models.kernels import native_kernels
 from draftwise.models.linear import (BlockWeight, WeightFormat, check_activations, check_quantize,
                                      default_activations, use_activations)
-from draftwise.models.llama import SUPPORTED_ARCHITECTURES, DecoderShape, LlamaModel
+from draftwise.models.llama import SUPPORTED_ARCHITECTURES, DecoderShape, LlamaModel, rope_divisors
 from draftwise.models.memory import keep_freed_memory
 
 # --dtype: how the native decoder stores weights (activations: --activations, models/linear.py).
@@ -158,8 +158,8 @@ def load(spec: str, dtype: str = "auto", auto_fetch: bool = False, progress: boo
             return _load_through_transformers(spec, folder, config, torch_dtype, quantize)
         shape = DecoderShape.from_hf_config(config)
         source = gguf_file or gguf_source(spec)  # its float weights too come from a GGUF file's
-        if source is not None and (divisors := rope_freqs(source)) is not None:  # Llama 3.1+'s rope scaling
-            shape = rope_scaled(shape, divisors, spec)
+        if source is not None:  # rope scaling that transformers' GGUF reader leaves out of the config
+            shape = gguf_rope_scaling(shape, source, spec)
         bar.update()
         if gguf_file is not None:
             weights = read_blocks(gguf_file, config.model_type, shape.num_heads, shape.num_kv_heads)
@@ -189,6 +189,21 @@ def load(spec: str, dtype: str = "auto", auto_fetch: bool = False, progress: boo
     model.cache_dtype = cache_dtype(kv_cache, activations)
     del weights  # the model copied them out of the mapped files: let the mappings go
     return LoadedModel(model, tokenizer, folder, activations, kv_cache_name(model.cache_dtype))
+
+
+def gguf_rope_scaling(shape: DecoderShape, path: Path, spec: str) -> DecoderShape:
+    """shape with the rope scaling of the GGUF file at path: its rope_freqs divisors (Llama 3.1+),
+    else its `<arch>.rope.scaling.*` metadata (linear: a Gemma 3 4B's global layers), which the
+    config transformers wrote from the file lacks; a kind the decoder does not run is refused."""
+    if (divisors := rope_freqs(path)) is not None:
+        return rope_scaled(shape, divisors, spec)
+    scaling = rope_scaling(path)
+    if not scaling or shape.rope_factors:
+        return shape
+    try:
+        return replace(shape, rope_factors=rope_divisors(scaling, shape.head_dim, shape.rope_theta))
+    except (KeyError, ModelLoadError) as error:
+        raise ModelLoadError(f"{spec}: its rope scaling {scaling} cannot be applied: {error}") from None
 
 
 def rope_scaled(shape: DecoderShape, divisors: torch.Tensor, spec: str) -> DecoderShape:
