@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from draftwise.bench.suite import messages_text  # noqa: E402
 from draftwise.config import SamplingParams  # noqa: E402
 from draftwise.engine import Engine  # noqa: E402
 from draftwise.kv_cache import KV_CACHES  # noqa: E402
@@ -47,7 +48,7 @@ def main() -> None:
     sequences = []
     prompts = PROMPTS
     if not getattr(reference.tokenizer, "chat_template", None):  # a base model (Gemma 3 270M): the messages' text
-        prompts = [p if isinstance(p, str) else "\n\n".join(m["content"] for m in p) for p in PROMPTS]
+        prompts = [p if isinstance(p, str) else messages_text(p) for p in PROMPTS]
     for prompt in prompts:
         ids = prompt_ids(reference.tokenizer, prompt)
         continuation = Engine(reference).generate(prompt, SamplingParams(max_new_tokens=args.new_tokens)).token_ids

@@ -103,12 +103,12 @@ def test_a_gguf_file_loads_from_its_blocks_without_dequantised_weights(tmp_path,
 
 def test_a_files_rope_freqs_become_the_shapes_rotary_divisors(tmp_path):
     """llama.cpp stores Llama 3.1+'s rope scaling as a rope_freqs tensor (one divisor per rotary
-    frequency) and no config key for it: gguf_weights.rope_freqs reads it, loading.rope_scaled puts
+    frequency) and no config key for it: gguf_weights.rope_scaling reads it, loading.rope_scaled puts
     it in the shape (blocks or float weights alike), so the rotary table divides each frequency by
     it (left out, a Llama 3.2 file would run unscaled angles: a silently different model)."""
     import torch
 
-    from draftwise.models.gguf_weights import rope_freqs
+    from draftwise.models.gguf_weights import rope_scaling
     from draftwise.models.llama import DecoderShape, RopeTable
 
     divisors = np.array([1.0, 1.0, 2.5, 8.0], dtype=np.float32)  # head_dim 8
@@ -119,9 +119,10 @@ def test_a_files_rope_freqs_become_the_shapes_rotary_divisors(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    read = rope_freqs(tmp_path / "rope.gguf")
+    read, metadata = rope_scaling(tmp_path / "rope.gguf")
     assert torch.equal(read, torch.from_numpy(divisors))
-    assert rope_freqs(loading.gguf_source("smollm2-135m")) is None  # SmolLM2 has no scaling
+    assert metadata == {}
+    assert rope_scaling(loading.gguf_source("smollm2-135m")) == (None, {})  # SmolLM2 has no scaling
     shape = DecoderShape(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
                          num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0, qkv_bias=False,
                          tie_word_embeddings=True, max_context=64)
@@ -153,7 +154,7 @@ def test_a_files_rope_scaling_metadata_is_applied_or_refused(tmp_path):
         return tmp_path / name
 
     linear = write("linear.gguf", "linear", 8.0)
-    assert rope_scaling(linear) == {"rope_type": "linear", "factor": 8.0, "original_max_position_embeddings": 4096}
+    assert rope_scaling(linear) == (None, {"rope_type": "linear", "factor": 8.0, "original_max_position_embeddings": 4096})
     shape = DecoderShape(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
                          num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0, qkv_bias=False,
                          tie_word_embeddings=True, max_context=64)
@@ -162,4 +163,4 @@ def test_a_files_rope_scaling_metadata_is_applied_or_refused(tmp_path):
         loading.gguf_rope_scaling(shape, write("yarn.gguf", "yarn", 4.0), "yarn.gguf")
     for name in ("smollm2-135m", "gemma3-270m"):
         loading.resolve(name, auto_fetch=True, progress=False, weights=False)
-        assert rope_scaling(loading.gguf_source(name)) == {}
+        assert rope_scaling(loading.gguf_source(name)) == (None, {})

@@ -136,11 +136,11 @@ def _native_and_reference_logits(shape, reference, length: int = 120) -> tuple[t
         return model.forward(ids, torch.arange(length), model.new_cache(length)), reference(ids[None]).logits[0]
 
 
-@pytest.mark.parametrize("architecture", ["qwen2", "mistral"])
+@pytest.mark.parametrize("architecture", ["qwen2", "mistral", "mistral, linear rope scaling"])
 def test_sliding_window_architectures_match_transformers(architecture):
     """Qwen2's sliding layers (from max_window_layers on) and Mistral's (all of them) attend within
-    the decoder's window, as Gemma 3's local layers do: against transformers on random weights, a
-    prompt 2.5x the window."""
+    the decoder's window, as Gemma 3's local layers do, rotated as the other layers are (rope
+    scaling included): against transformers on random weights, a prompt 2.5x the window."""
     from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
 
     from draftwise.models.llama import DecoderShape
@@ -149,6 +149,8 @@ def test_sliding_window_architectures_match_transformers(architecture):
     common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=512, sliding_window=48,
                   rope_parameters={"rope_theta": 10000.0, "rope_type": "default"})
+    if "linear" in architecture:
+        common["rope_parameters"] = {"rope_theta": 10000.0, "rope_type": "linear", "factor": 4.0}
     config = (Qwen2Config(**common, use_sliding_window=True, max_window_layers=1) if architecture == "qwen2"
               else MistralConfig(**common))
     reference = AutoModelForCausalLM.from_config(config).eval()

@@ -17,13 +17,18 @@ class BenchPrompt:
     messages: tuple[dict, ...]  # chat messages, rendered with the model's chat template
 
     def as_text(self) -> str:
-        """The messages' contents as one plain-text prompt (blank lines between them), for a base
-        model without a chat template."""
-        return "\n\n".join(m["content"] for m in self.messages if isinstance(m.get("content"), str))
+        """The messages as one plain-text prompt (messages_text), for a base model without a chat template."""
+        return messages_text(self.messages)
 
     def input(self, chat: bool) -> list[dict] | str:
         """What a method is given: the messages (chat: the model has a chat template), else as_text()."""
         return list(self.messages) if chat else self.as_text()
+
+
+def messages_text(messages) -> str:
+    """Chat messages' contents as one plain-text prompt, blank lines between them: what a base
+    model without a chat template is given in their place."""
+    return "\n\n".join(m["content"] for m in messages if isinstance(m.get("content"), str))
 
 
 def default_prompt_dir() -> Path:

@@ -32,7 +32,7 @@ STRING, ARRAY = 8, 9
 # Bytes of each fixed-size metadata value type (gguf's GGUFValueType numbering).
 FIXED_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 UINT32 = 4
-# struct formats of the scalar metadata types (read_metadata)
+# struct formats of the scalar metadata types (read_index_and_metadata)
 SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 
 
@@ -110,13 +110,13 @@ def read_index(path: Path) -> list[TensorEntry]:
             return _read(_Cursor(buffer, path))
 
 
-def read_metadata(path: Path, wanted) -> dict[str, object]:
-    """The file's scalar and string metadata values whose keys wanted(key) accepts (arrays are
-    skipped), e.g. `llama.rope.scaling.type`, which transformers' GGUF reader leaves out."""
+def read_index_and_metadata(path: Path, wanted) -> tuple[list[TensorEntry], dict[str, object]]:
+    """read_index's tensors and, from the same pass over the header, the scalar and string
+    metadata values whose keys wanted(key) accepts (arrays are skipped), e.g.
+    `llama.rope.scaling.type`, which transformers' GGUF reader leaves out."""
     found: dict[str, object] = {}
     with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as buffer:
-        _read(_Cursor(buffer, Path(path)), wanted, found)
-    return found
+        return _read(_Cursor(buffer, Path(path)), wanted, found), found
 
 
 def _read(cursor: _Cursor, wanted=None, found: dict | None = None) -> list[TensorEntry]:

@@ -16,7 +16,7 @@ import torch
 from gguf import GGMLQuantizationType as WeightFormat
 
 from draftwise.errors import ModelLoadError
-from draftwise.models.gguf_index import read_index, read_metadata
+from draftwise.models.gguf_index import TensorEntry, read_index, read_index_and_metadata
 from draftwise.models.linear import NATIVE_FORMATS
 
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -26,9 +26,9 @@ LAYER_NAMES = {
     "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}  # Qwen3's, Gemma 3's
 # Gemma 3 norms each sublayer's input and output: llama.cpp's ffn_norm is its MLP's input norm
 # (transformers' pre_feedforward_layernorm), post_attention_norm the attention's output norm.
-QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 GEMMA3_LAYER_NAMES = {
     **LAYER_NAMES, **QK_NORM_NAMES, "ffn_norm": "pre_feedforward_layernorm",
     "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
@@ -37,8 +37,8 @@ ARCHITECTURE_LAYER_NAMES = {"gemma3_text": GEMMA3_LAYER_NAMES, "qwen3": {**LAYER
 
 
 def hf_name(gguf_name: str, architecture: str = "llama") -> str | None:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None for tensors the
-    decoder has no use for (e.g. rope frequency tables). architecture: transformers' model_type."""
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None for tensors that are
+    not the decoder's weights (rope_freqs is read by rope_scaling). architecture: transformers' model_type."""
     parts = gguf_name.split(".")
     names = ARCHITECTURE_LAYER_NAMES.get(architecture, LAYER_NAMES)
     if parts[0] == "blk" and len(parts) == 4 and parts[2] in names:
@@ -76,36 +76,34 @@ def read_blocks(path: Path, architecture: str, num_heads: int, num_kv_heads: int
     return tensors
 
 
-def rope_freqs(path: Path) -> torch.Tensor | None:
-    """A GGUF file's rope_freqs tensor: llama.cpp's per-frequency divisors of the rotary angles
-    (how it stores Llama 3.1+'s rope scaling), which transformers' GGUF reader leaves out of the
-    config it writes; None where the file has none. loading.load gives them to the decoder's
-    shape, whichever way the weights are stored."""
+def rope_scaling(path: Path) -> tuple[torch.Tensor | None, dict]:
+    """A GGUF file's rope scaling, which transformers' GGUF reader leaves out of the config it
+    writes, from one pass over its header: (its rope_freqs tensor, llama.cpp's per-frequency
+    divisors of the rotary angles, how it stores Llama 3.1+'s scaling, or None; its
+    `<arch>.rope.scaling.*` metadata as a rope_parameters dict, a Gemma 3 4B file's linear factor 8
+    on its global layers, or {}). loading.load gives them to the decoder's shape, whichever way the
+    weights are stored."""
+    prefix = ".rope.scaling."
     try:
-        entry = next((e for e in read_index(path) if e.name == "rope_freqs.weight"), None)
+        entries, values = read_index_and_metadata(path, lambda key: prefix in key)
     except (OSError, ValueError) as error:
         raise ModelLoadError(f"could not read {path} as a GGUF file: {error}") from error
-    if entry is None:
-        return None
+    entry = next((e for e in entries if e.name == "rope_freqs.weight"), None)
+    divisors = None if entry is None else _rope_freqs(path, entry)
+    scaling = {key.split(prefix, 1)[1]: value for key, value in values.items()}
+    kind = scaling.pop("type", "none")
+    if kind == "none":
+        return divisors, {}
+    if "original_context_length" in scaling:
+        scaling["original_max_position_embeddings"] = scaling.pop("original_context_length")
+    return divisors, {"rope_type": kind, **scaling}
+
+
+def _rope_freqs(path: Path, entry: TensorEntry) -> torch.Tensor:
     if entry.format != WeightFormat.F32:
         raise ModelLoadError(f"{path}: rope_freqs is {entry.format.name}; only F32 is supported.")
     data = np.fromfile(path, dtype=np.uint8, count=entry.num_bytes, offset=entry.offset)
     return torch.from_numpy(data.view(np.float32).copy())
-
-
-def rope_scaling(path: Path) -> dict:
-    """A GGUF file's `<arch>.rope.scaling.*` metadata as a rope_parameters dict ({} for none):
-    transformers' GGUF reader writes no rope scaling into the config of most architectures (a
-    Gemma 3 4B file's linear factor 8 on its global layers, for one)."""
-    prefix = ".rope.scaling."
-    values = read_metadata(path, lambda key: prefix in key)
-    scaling = {key.split(prefix, 1)[1]: value for key, value in values.items()}
-    kind = scaling.pop("type", "none")
-    if kind == "none":
-        return {}
-    if "original_context_length" in scaling:
-        scaling["original_max_position_embeddings"] = scaling.pop("original_context_length")
-    return {"rope_type": kind, **scaling}
 
 
 def _llama_rotary_rows(num_rows: int, num_heads: int) -> torch.Tensor:

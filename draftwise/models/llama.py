@@ -59,8 +59,8 @@ class DecoderShape:
     gelu: bool = False  # the MLP gates with GELU's tanh approximation, not SiLU
     attention_scale: float = 0.0  # the scores' scale; 0: head_dim ** -0.5
     sliding_window: int = 0  # what the local layers attend within (keys p - window + 1 .. p)
-    local_layers: tuple[int, ...] = ()  # the layers that attend within the window, rotated by local_rope_theta
-    local_rope_theta: float = 0.0
+    local_layers: tuple[int, ...] = ()  # the layers that attend within the window
+    local_rope_theta: float = 0.0  # the local layers' own rotary base (Gemma 3's); 0: they rotate as the others do
     # Per-frequency divisors of the rotary angles (Llama 3.1+'s "llama3" scaling, "linear" scaling; a
     # GGUF file's rope_freqs tensor, llama.cpp's form of the same): () for none. The local layers
     # of Gemma 3 take none.
@@ -85,7 +85,7 @@ class DecoderShape:
         layer_types = getattr(config, "layer_types", None)
         if window and config.model_type in ("qwen2", "qwen3") and layer_types:
             # Qwen's sliding layers (layer_types: those from max_window_layers on, with use_sliding_window)
-            # attend within the decoder's window (Gemma 3's), at the same rotary base
+            # attend within the decoder's window (Gemma 3's), rotated as the other layers are
             local_layers = tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
         elif window and config.model_type == "mistral":  # every layer within the window
             local_layers = tuple(range(config.num_hidden_layers))
@@ -103,7 +103,6 @@ class DecoderShape:
             qk_norm=config.model_type == "qwen3",  # Qwen3 norms each head's query and key (w, not Gemma's 1 + w)
             sliding_window=window if local_layers else 0,
             local_layers=local_layers,
-            local_rope_theta=theta if local_layers else 0.0,
         )
 
     @classmethod
@@ -330,8 +329,8 @@ class LlamaModel(nn.Module):
         self.model = Backbone(shape)
         self.lm_head = CheckpointLinear(shape.hidden_size, shape.vocab_size, bias=False)
         self.rope = RopeTable(shape)
-        # Gemma 3's local layers rotate by a base of their own.
-        self.local_rope = RopeTable(shape, shape.local_rope_theta, ()) if shape.local_layers else None
+        # Gemma 3's local layers rotate by a base of their own (without the global layers' scaling).
+        self.local_rope = RopeTable(shape, shape.local_rope_theta, ()) if shape.local_rope_theta else None
         self.embed_scale = torch.tensor(shape.embed_scale, dtype=torch.float32, device="cpu")
         # Run the layers through kernels.Decoder where it is built (one call for all of them);
         # False runs the modules one by one (the reference the tests compare it with).

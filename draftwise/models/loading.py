@@ -24,7 +24,7 @@ from draftwise.kv_cache import cache_dtype, check_kv_cache, kv_cache_name
 from draftwise.models import registry
 from draftwise.models.base import ModelInfo
 from draftwise.models.hf import HFModel, load_hf_model
-from draftwise.models.gguf_weights import dequantised_note, read_blocks, rope_freqs, rope_scaling
+from draftwise.models.gguf_weights import dequantised_note, read_blocks, rope_scaling
 from draftwise.models.kernels import native_kernels
 from draftwise.models.linear import (BlockWeight, WeightFormat, check_activations, check_quantize,
                                      default_activations, use_activations)
@@ -195,9 +195,9 @@ def gguf_rope_scaling(shape: DecoderShape, path: Path, spec: str) -> DecoderShap
     """shape with the rope scaling of the GGUF file at path: its rope_freqs divisors (Llama 3.1+),
     else its `<arch>.rope.scaling.*` metadata (linear: a Gemma 3 4B's global layers), which the
     config transformers wrote from the file lacks; a kind the decoder does not run is refused."""
-    if (divisors := rope_freqs(path)) is not None:
+    divisors, scaling = rope_scaling(path)
+    if divisors is not None:
         return rope_scaled(shape, divisors, spec)
-    scaling = rope_scaling(path)
     if not scaling or shape.rope_factors:
         return shape
     try:
