@@ -33,6 +33,7 @@ def load(
     activations: str = "auto",
     head: str | None = None,
     kv_cache: str = "auto",
+    rope_scaling: str | None = None,
 ) -> Engine:
     """Load a target model (registry name, local path or hub id) and a drafter into an Engine.
 
@@ -53,6 +54,8 @@ def load(
     further from float32 (README, "Defaults, and why"). engine.target.activations says which ran.
     kv_cache says what the target's KV caches store: "bf16" (half the bytes a decode step reads
     per cached token; the default unless activations are "float32"), "float32" or "auto".
+    rope_scaling="yarn:FACTOR" extends a target without rope scaling of its own to FACTOR times
+    its context (YaRN, as llama.cpp's --rope-scaling yarn --rope-scale FACTOR).
 
     drafter="cross-vocab" drafts with a model whose tokenizer differs from the target's
     (draftwise.drafters.cross_vocab); cross_vocab_method picks "string" or "intersection"
@@ -70,7 +73,8 @@ def load(
 
     if not isinstance(drafter, str):  # the caller's own Drafter (examples/custom_drafter.py)
         target = loading.load(model, dtype=dtype, auto_fetch=model == DEFAULT_MODEL, progress=progress,
-                              quantize=quantize, activations=activations, kv_cache=kv_cache)
+                              quantize=quantize, activations=activations, kv_cache=kv_cache,
+                              rope_scaling=rope_scaling)
         spec = SpecConfig(drafter="custom", num_draft_tokens=num_draft_tokens, draft_length=draft_length)
         return engine_for(spec, target, drafter)
     spec = SpecConfig(drafter=drafter, num_draft_tokens=num_draft_tokens, draft_model=draft_model,
@@ -78,7 +82,7 @@ def load(
                       head=head)
     check_before_loading(spec, model)
     target = loading.load(model, dtype=dtype, auto_fetch=model == DEFAULT_MODEL, progress=progress, quantize=quantize,
-                          activations=activations, kv_cache=kv_cache)
+                          activations=activations, kv_cache=kv_cache, rope_scaling=rope_scaling)
     return engine_for(spec, target, build_drafter(spec, target, dtype=dtype, progress=progress))
 
 

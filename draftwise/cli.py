@@ -161,6 +161,10 @@ def _add_engine_flags(cmd, drafter_default: str | None = "ngram", drafter_defaul
                           "reads per cached token: faster long contexts and batches, half the cache memory) or "
                           "float32; auto (default): float32 with --activations float32 or int16, else bf16. Attention's "
                           "arithmetic is float32 either way, and speculation never changes the output")
+    cmd.add_argument("--rope-scaling", metavar="yarn:FACTOR",
+                     help="extend a model without rope scaling of its own to FACTOR times its context by YaRN "
+                          "(as llama.cpp's --rope-scaling yarn --rope-scale FACTOR; Qwen2.5's model cards give yarn:4); "
+                          "a config or GGUF file that sets rope scaling is applied without this flag")
 
 
 def _load_engine(args):
@@ -172,7 +176,8 @@ def _load_engine(args):
                           num_draft_tokens=args.num_draft_tokens, dtype=args.dtype, quantize=args.quantize,
                           progress=not args.quiet, draft_length=args.draft_length,
                           cross_vocab_method=args.cross_vocab_method, draft_quantize=args.draft_quantize,
-                          activations=args.activations, head=args.head, kv_cache=args.kv_cache)
+                          activations=args.activations, head=args.head, kv_cache=args.kv_cache,
+                          rope_scaling=args.rope_scaling)
 
 
 def _add_serve(subparsers) -> None:

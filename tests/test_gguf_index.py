@@ -134,18 +134,24 @@ def test_a_files_rope_freqs_become_the_shapes_rotary_divisors(tmp_path):
 
 
 def test_a_files_rope_scaling_metadata_is_applied_or_refused(tmp_path):
-    """`<arch>.rope.scaling.*` (a Gemma 3 4B file's linear factor 8 on its global layers), which
-    transformers' GGUF reader leaves out of the config: applied as divisors; a kind the decoder
-    does not run (yarn) refused by name instead of run unscaled; the packaged files have none."""
+    """`<arch>.rope.scaling.*` (a Gemma 3 4B file's linear factor 8 on its global layers, a Qwen2.5
+    converted with YaRN), which transformers' GGUF reader leaves out of the config: applied as
+    divisors (and YaRN's scale and context); a kind the decoder does not run (longrope) and a
+    llama.cpp YaRN setting transformers has no counterpart for refused by name instead of run
+    otherwise; the packaged files have none."""
+    import math
+
     from draftwise.errors import ModelLoadError
     from draftwise.models.gguf_weights import rope_scaling
-    from draftwise.models.llama import DecoderShape
+    from draftwise.models.llama import DecoderShape, rope_divisors
 
-    def write(name: str, kind: str, factor: float):
+    def write(name: str, kind: str, factor: float, **extra: float):
         writer = GGUFWriter(tmp_path / name, "gemma3")
         writer.add_string("gemma3.rope.scaling.type", kind)  # as llama.cpp's converter writes it
         writer.add_float32("gemma3.rope.scaling.factor", factor)
         writer.add_uint32("gemma3.rope.scaling.original_context_length", 4096)
+        for key, value in extra.items():
+            writer.add_float32(f"gemma3.rope.scaling.{key}", value)
         writer.add_tensor("output_norm.weight", np.ones(16, dtype=np.float32))
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
@@ -159,8 +165,16 @@ def test_a_files_rope_scaling_metadata_is_applied_or_refused(tmp_path):
                          num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0, qkv_bias=False,
                          tie_word_embeddings=True, max_context=64)
     assert loading.gguf_rope_scaling(shape, linear, "linear.gguf").rope_factors == (8.0,) * 4
-    with pytest.raises(ModelLoadError, match="rope scaling 'yarn' is not supported"):
-        loading.gguf_rope_scaling(shape, write("yarn.gguf", "yarn", 4.0), "yarn.gguf")
+    yarn = loading.gguf_rope_scaling(shape, write("yarn.gguf", "yarn", 4.0, yarn_beta_fast=4.0, yarn_ext_factor=1.0),
+                                     "yarn.gguf")
+    expected = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096, "beta_fast": 4.0}
+    assert yarn.rope_factors == rope_divisors(expected, 8, 10000.0) and yarn.rope_factors != rope_divisors(
+        {**expected, "beta_fast": 32.0}, 8, 10000.0)
+    assert yarn.rope_attention_factor == pytest.approx(1 + 0.1 * math.log(4)) and yarn.max_context == 4 * 4096
+    with pytest.raises(ModelLoadError, match="rope.scaling.yarn_log_multiplier=0.1 is not run"):
+        loading.gguf_rope_scaling(shape, write("deepseek.gguf", "yarn", 4.0, yarn_log_multiplier=0.1), "deepseek.gguf")
+    with pytest.raises(ModelLoadError, match="rope scaling 'longrope' is not supported"):
+        loading.gguf_rope_scaling(shape, write("longrope.gguf", "longrope", 4.0), "longrope.gguf")
     for name in ("smollm2-135m", "gemma3-270m"):
         loading.resolve(name, auto_fetch=True, progress=False, weights=False)
         assert rope_scaling(loading.gguf_source(name)) == (None, {})

@@ -1,5 +1,8 @@
 """The native decoder computes what transformers computes on the same weights."""
 
+import math
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -75,13 +78,18 @@ def test_native_gemma3_matches_transformers_past_its_sliding_window(gemma, hf_ge
 @pytest.mark.parametrize("scaling", [
     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
      "original_max_position_embeddings": 64},
-    {"rope_type": "linear", "factor": 4.0}])
+    {"rope_type": "linear", "factor": 4.0},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64, "beta_fast": 16, "beta_slow": 2,
+     "truncate": False},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "attention_factor": 1.3}])
 def test_rope_scaling_matches_transformers(scaling):
-    """Llama 3.1+'s "llama3" rope scaling (and "linear"): the native decoder against transformers
-    on the same (random) weights. No Llama 3 weights are packaged here, so the weights are random;
-    the rotary angles are what is checked (a 64-token original context puts the scaled band inside
-    this 300-token prompt's positions). A GGUF file carries the same scaling as its rope_freqs
-    divisors (loading.rope_scaled), which rope_divisors reproduces."""
+    """Llama 3.1+'s "llama3" rope scaling, "linear", and YaRN (Qwen2.5's long-context recipe): the
+    native decoder against transformers on the same (random) weights. No such weights are packaged
+    here, so the weights are random; the rotary angles are what is checked (a 64-token original
+    context puts the scaled band inside this 300-token prompt's positions). A GGUF file carries
+    llama3's scaling as its rope_freqs divisors (loading.rope_scaled), which rope_divisors
+    reproduces, and YaRN's as metadata (test_gguf_index)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from draftwise.models.base import ModelInfo
@@ -106,9 +114,89 @@ def test_rope_scaling_matches_transformers(scaling):
     unscaled_error = (unscaled.forward(ids, torch.arange(300), unscaled.new_cache(300)) - expected).abs().max()
     # random weights give logits of O(0.3): measured 2.4e-7 with the scaling, 4.3e-3 / 4.5e-3 without it
     assert error < 1e-5 and unscaled_error > 1e-3, (error, unscaled_error)
+    if scaling["rope_type"] == "yarn":  # YaRN's scale of cos and sin counts too: without it the logits move
+        assert shape.rope_attention_factor > 1.0
+        plain_angles = LlamaModel.from_state_dict(replace(shape, rope_attention_factor=1.0),
+                                                  ModelInfo("tiny", 128, 512, (0,)), reference.state_dict())
+        scale_error = (plain_angles.forward(ids, torch.arange(300), plain_angles.new_cache(300)) - expected).abs().max()
+        assert scale_error > 1e-3, scale_error
     # the divisors, as a GGUF file's rope_freqs would give them, build the same table
     table = RopeTable(shape, factors=rope_divisors(config.rope_parameters, shape.head_dim, 10000.0))
     assert torch.equal(table.inv_freq, RopeTable(shape).inv_freq)
+
+
+def test_a_gguf_files_yarn_metadata_runs_as_transformers_runs_yarn(smollm2, hf_smollm2, tmp_path, monkeypatch):
+    """SmolLM2's own file with llama.cpp's YaRN keys added (what its converter writes for a config
+    with YaRN: factor 4 over an original context of 128 positions, so this 300-token prompt reaches
+    the scaled band), loaded as a user's .gguf file: its blocks on the native decoder against
+    transformers running the same YaRN parameters on the same weights. Real weights, where the
+    other rope-scaling cases have random ones; the logits move by the scaling (ignoring the
+    metadata fails). And `--rope-scaling yarn:FACTOR` (loading.load's rope_scaling)."""
+    from transformers import AutoModelForCausalLM
+
+    from draftwise.errors import ConfigError
+    from draftwise.models import loading, registry
+    from draftwise.models.llama import rope_divisors
+    from tests.gguf_copy import copy_gguf
+
+    def yarn_keys(writer, arch: str) -> None:
+        writer.add_string(f"{arch}.rope.scaling.type", "yarn")
+        writer.add_float32(f"{arch}.rope.scaling.factor", 4.0)
+        writer.add_uint32(f"{arch}.rope.scaling.original_context_length", 128)
+
+    path = tmp_path / "smollm2-yarn.gguf"
+    copy_gguf(registry.gguf_path("smollm2-135m"), path, metadata=yarn_keys)
+    monkeypatch.setattr(loading, "_converted_folder_for", lambda gguf_file: gguf_file.parent / "converted")
+    yarn = loading.load(str(path), activations="float32", kv_cache="float32", progress=False).model
+    assert yarn.shape.rope_attention_factor == pytest.approx(1 + 0.1 * math.log(4))
+    config = hf_smollm2.config.to_dict()
+    theta = hf_smollm2.config.rope_parameters["rope_theta"]
+    config["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                                 "rope_theta": theta}
+    reference = AutoModelForCausalLM.from_config(type(hf_smollm2.config).from_dict(config), dtype=torch.float32).eval()
+    reference.load_state_dict(hf_smollm2.state_dict())
+    ids = torch.tensor(smollm2.tokenizer.encode("The history of the Roman Empire is long and complicated. " * 40))[:300]
+    ours = yarn.forward(ids, torch.arange(300), yarn.new_cache(300))
+    with torch.no_grad():
+        expected = reference(ids[None]).logits[0]
+    unscaled = smollm2.model.forward(ids, torch.arange(300), smollm2.model.new_cache(300))
+    # measured: 8.0e-5 (logits O(10-40)); the same file without the YaRN keys differs by 6.9 past position 128
+    assert (ours - expected).abs().max() < FP32_ATOL
+    assert (unscaled - expected)[128:].abs().max() > 0.1
+    # --rope-scaling yarn:FACTOR asks the same of a model that carries none, over its own context
+    # (8,192 positions for SmolLM2), and is refused for one that does
+    asked = loading.load("smollm2-135m", rope_scaling="yarn:4", progress=False).model.shape
+    own = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192}
+    assert asked.rope_factors == rope_divisors(own, 64, theta) and asked.max_context == 4 * 8192
+    with pytest.raises(ConfigError, match="already carries rope scaling"):
+        loading.load(str(path), rope_scaling="yarn:2", progress=False)
+    for text in ("yarn", "yarn:1", "dynamic:4"):
+        with pytest.raises(ConfigError, match="give yarn:FACTOR"):
+            loading.load("smollm2-135m", rope_scaling=text, progress=False)
+
+
+def test_yarn_reaches_factor_times_the_original_context():
+    """Qwen2.5's recipe adds YaRN (factor 4 over 32,768 positions) to a config whose
+    max_position_embeddings stays 32,768: the model then takes 131,072 positions, as vLLM serves
+    it; a config without the original length (transformers fills in max_position_embeddings) and one
+    without a factor (the ratio of the two lengths, DeepSeek's form) are completed as transformers does."""
+    from transformers import Qwen2Config
+
+    from draftwise.errors import ModelLoadError
+    from draftwise.models.llama import DecoderShape
+
+    def shape(max_position: int, **rope):
+        return DecoderShape.from_hf_config(Qwen2Config(
+            vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+            max_position_embeddings=max_position, rope_parameters={"rope_theta": 1e6, "rope_type": "yarn", **rope}))
+
+    qwen = shape(32768, factor=4.0, original_max_position_embeddings=32768)
+    assert qwen.max_context == 131072 and qwen.rope_attention_factor == pytest.approx(1 + 0.1 * math.log(4))
+    assert shape(32768, factor=4.0).max_context == 131072
+    implied = shape(131072, factor=None, original_max_position_embeddings=32768)
+    assert implied.rope_factors == qwen.rope_factors and implied.max_context == 131072
+    with pytest.raises(ModelLoadError, match="partial_rotary_factor=0.5"):
+        shape(32768, factor=4.0, partial_rotary_factor=0.5)
 
 
 def test_an_unsupported_rope_scaling_is_refused_by_name():

@@ -25,6 +25,7 @@ from draftwise.models import loading, registry
 from draftwise.models.gguf_weights import dequantised_note, read_blocks
 from draftwise.models.linear import WeightFormat, default_activations
 from tests.conftest import PROMPTS
+from tests.gguf_copy import copy_gguf
 from tests.iq4 import quantize_iq4_nl, quantize_iq4_xs
 from tests.q2k import quantize_q2_k
 from tests.q3k import quantize_q3_k
@@ -40,32 +41,16 @@ DOWN_FORMATS = [(quantize_q5_k, WeightFormat.Q5_K), (quantize_q3_k, WeightFormat
 
 def write_with_q5k_down_projections(source: Path, path: Path) -> None:
     """source's metadata and tensors into path, each ffn_down matrix re-quantised to Q5_K, Q3_K, Q2_K
-    or IQ4_XS by its layer and each ffn_up to IQ4_NL (gguf-py's reader and writer, as its
-    gguf_new_metadata script copies a file)."""
-    import gguf
+    or IQ4_XS by its layer and each ffn_up to IQ4_NL."""
 
-    reader = gguf.GGUFReader(source)
-    writer = gguf.GGUFWriter(path, arch=reader.get_field(gguf.Keys.General.ARCHITECTURE).contents())
-    for field in reader.fields.values():
-        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
-            continue  # written by the writer itself
-        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub_type)
-    tensors = []
-    for tensor in reader.tensors:
-        data, format = np.asarray(tensor.data), tensor.tensor_type
-        if tensor.name.endswith(("ffn_down.weight", "ffn_up.weight")):
-            quantize, format = (quantize_iq4_nl, WeightFormat.IQ4_NL) if "ffn_up" in tensor.name else DOWN_FORMATS[
-                int(tensor.name.split(".")[1]) % len(DOWN_FORMATS)]
-            data = quantize(quants.dequantize(data, tensor.tensor_type))
-        tensors.append(data)
-        writer.add_tensor_info(tensor.name, data.shape, data.dtype, data.nbytes, format)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    for data in tensors:
-        writer.write_tensor_data(data)
-    writer.close()
+    def requantised(name: str, data: np.ndarray, format):
+        if not name.endswith(("ffn_down.weight", "ffn_up.weight")):
+            return data, format
+        quantize, new_format = (quantize_iq4_nl, WeightFormat.IQ4_NL) if "ffn_up" in name else DOWN_FORMATS[
+            int(name.split(".")[1]) % len(DOWN_FORMATS)]
+        return quantize(quants.dequantize(data, format)), new_format
+
+    copy_gguf(source, path, tensor=requantised)
 
 
 @pytest.fixture(scope="module")

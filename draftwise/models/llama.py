@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from draftwise.errors import ModelLoadError
+from draftwise.errors import ConfigError, ModelLoadError
 from draftwise.kv_cache import KVCache
 from draftwise.models import ops
 from draftwise.models.base import ModelInfo, Segment
@@ -65,6 +65,8 @@ class DecoderShape:
     # GGUF file's rope_freqs tensor, llama.cpp's form of the same): () for none. The local layers
     # of Gemma 3 take none.
     rope_factors: tuple[float, ...] = ()
+    # YaRN's scale of the rotary cos and sin (so of every attention score, squared): 1 for none.
+    rope_attention_factor: float = 1.0
 
     @classmethod
     def from_hf_config(cls, config) -> "DecoderShape":
@@ -76,10 +78,10 @@ class DecoderShape:
             )
         if config.model_type == "gemma3_text":
             return cls._gemma3(config)
-        rope = getattr(config, "rope_parameters", None) or {}
+        rope = _rope_parameters(config, getattr(config, "rope_parameters", None) or {})
         sizes = _sizes(config)
         theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        max_context = config.max_position_embeddings
+        max_context = rope_context(rope, config.max_position_embeddings)
         window = getattr(config, "sliding_window", None)
         local_layers = ()
         layer_types = getattr(config, "layer_types", None)
@@ -97,6 +99,7 @@ class DecoderShape:
             **sizes,
             rope_theta=theta,
             rope_factors=rope_divisors(rope, sizes["head_dim"], theta),
+            rope_attention_factor=rope_attention_factor(rope),
             qkv_bias=config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             max_context=max_context,
@@ -122,7 +125,7 @@ class DecoderShape:
             raise ModelLoadError(f"hidden_activation {activation!r}: the native Gemma 3 decoder gates with "
                                  "'gelu_pytorch_tanh' only.")
         rope = getattr(config, "rope_parameters", None) or {}
-        full = rope.get("full_attention") or {"rope_theta": getattr(config, "rope_theta", 1_000_000.0)}
+        full = _rope_parameters(config, rope.get("full_attention") or {"rope_theta": getattr(config, "rope_theta", 1_000_000.0)})
         local = rope.get("sliding_attention") or {"rope_theta": getattr(config, "rope_local_base_freq", 10_000.0)}
         if local.get("rope_type", "default") != "default":
             raise ModelLoadError(f"rope scaling {local['rope_type']!r} on the sliding-window layers is not supported "
@@ -137,9 +140,10 @@ class DecoderShape:
             **sizes,
             rope_theta=full["rope_theta"],
             rope_factors=rope_divisors(full, sizes["head_dim"], full["rope_theta"]),  # the larger Gemma 3s: linear 8
+            rope_attention_factor=rope_attention_factor(full),
             qkv_bias=bool(getattr(config, "attention_bias", False)),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", True)),
-            max_context=config.max_position_embeddings,
+            max_context=rope_context(full, config.max_position_embeddings),
             embed_scale=config.hidden_size ** 0.5,
             norm_offset=1.0,
             qk_norm=True,
@@ -152,19 +156,37 @@ class DecoderShape:
         )
 
 
+def _rope_parameters(config, parameters: dict) -> dict:
+    """A config's rope parameters, refused where the decoder would rotate differently (a partial
+    rotary dimension) and completed as transformers completes them (YaRN's factor from the two
+    context lengths where the config gives none)."""
+    partial = parameters.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
+    if partial != 1.0:
+        raise ModelLoadError(f"partial_rotary_factor={partial}: the native decoder rotates whole heads.")
+    if parameters.get("rope_type") == "yarn":
+        parameters = {"original_max_position_embeddings": config.max_position_embeddings, **parameters}
+        if parameters.get("factor") is None:
+            parameters["factor"] = config.max_position_embeddings / parameters["original_max_position_embeddings"]
+    return parameters
+
+
 def rope_divisors(parameters: dict, head_dim: int, theta: float) -> tuple[float, ...]:
     """The per-frequency divisors of the rotary angles a config's rope scaling asks for ("linear":
     all frequencies by `factor`; "llama3": the low frequencies by `factor`, the high ones not, the
-    band between smoothly, as transformers' _compute_llama3_parameters, in llama.cpp's form of a
-    divisor per frequency), () for "default"; anything else is refused by name."""
+    band between smoothly, as transformers' _compute_llama3_parameters; "yarn": the same shape of
+    band, bounded by how many turns a frequency makes within the original context, as
+    _compute_yarn_parameters and llama.cpp's rope_yarn), in llama.cpp's form of a divisor per
+    frequency; () for "default"; anything else is refused by name."""
     kind = parameters.get("rope_type", "default")
     if kind == "default":
         return ()
     if kind == "linear":
         return (float(parameters["factor"]),) * (head_dim // 2)
+    if kind == "yarn":
+        return _yarn_divisors(parameters, head_dim, theta)
     if kind != "llama3":
         raise ModelLoadError(f"rope scaling {kind!r} is not supported by the native decoder (it runs 'default', "
-                             "'linear' and 'llama3').")
+                             "'linear', 'llama3' and 'yarn').")
     factor, low, high = (float(parameters[key]) for key in ("factor", "low_freq_factor", "high_freq_factor"))
     old_context = float(parameters["original_max_position_embeddings"])
     divisors = []
@@ -178,6 +200,72 @@ def rope_divisors(parameters: dict, head_dim: int, theta: float) -> tuple[float,
             smooth = (old_context / wavelength - low) / (high - low)
             divisors.append(1.0 / ((1 - smooth) / factor + smooth))
     return tuple(divisors)
+
+
+def _yarn_divisors(parameters: dict, head_dim: int, theta: float) -> tuple[float, ...]:
+    """YaRN (Peng et al., "YaRN: Efficient Context Window Extension of Large Language Models",
+    2023): frequency i keeps its trained angle (divisor 1) where it turns more than beta_fast
+    times within the original context, is divided by `factor` where it turns fewer than
+    beta_slow times, and blends linearly in between, over frequency indices rounded outwards
+    (transformers' truncate, llama.cpp's floor / ceil)."""
+    factor, old_context = float(parameters["factor"]), float(parameters["original_max_position_embeddings"])
+    fast, slow = float(parameters.get("beta_fast") or 32), float(parameters.get("beta_slow") or 1)
+
+    def index(turns: float) -> float:  # the frequency index that turns `turns` times within the original context
+        return head_dim * math.log(old_context / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = index(fast), index(slow)
+    if parameters.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    span = high - low if high != low else 0.001
+    divisors = []
+    for i in range(head_dim // 2):
+        kept = 1.0 - min(1.0, max(0.0, (i - low) / span))  # the share of the trained angle
+        divisors.append(1.0 / ((1 - kept) / factor + kept))
+    return tuple(divisors)
+
+
+def rope_attention_factor(parameters: dict) -> float:
+    """YaRN's scale of cos and sin: `attention_factor` where given, else 0.1 ln(factor) + 1 (with
+    DeepSeek's mscale / mscale_all_dim where both are given), as transformers computes it; 1 for
+    every other kind of scaling."""
+    if parameters.get("rope_type") != "yarn":
+        return 1.0
+    if parameters.get("attention_factor") is not None:
+        return float(parameters["attention_factor"])
+    factor = float(parameters["factor"])
+
+    def magnitude(scale: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+
+    mscale, mscale_all_dim = parameters.get("mscale"), parameters.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return magnitude(mscale) / magnitude(mscale_all_dim)
+    return magnitude()
+
+
+def requested_rope_scaling(text: str) -> dict:
+    """`--rope-scaling yarn:FACTOR` (llama.cpp's `--rope-scaling yarn --rope-scale FACTOR`) as rope
+    parameters; the original context is the model's own (loading.load fills it in)."""
+    kind, _, factor = text.partition(":")
+    try:
+        value = float(factor)
+    except ValueError:
+        value = None
+    if kind != "yarn" or value is None or not value > 1:
+        raise ConfigError(f"--rope-scaling {text!r}: give yarn:FACTOR with a FACTOR above 1, e.g. yarn:4 (Qwen2.5's "
+                          "long-context setting: 4 x 32,768 positions).")
+    return {"rope_type": "yarn", "factor": value}
+
+
+def rope_context(parameters: dict, max_position: int) -> int:
+    """The positions a model reaches: max_position, or with YaRN `factor` times the original
+    context where that is more (Qwen2.5's recipe adds yarn with factor 4 to a config whose
+    max_position_embeddings stays 32,768; vLLM likewise serves the scaled length)."""
+    if parameters.get("rope_type") != "yarn":
+        return max_position
+    return max(max_position, int(float(parameters["factor"]) * float(parameters["original_max_position_embeddings"])))
 
 
 def _sizes(config) -> dict:
@@ -330,7 +418,7 @@ class LlamaModel(nn.Module):
         self.lm_head = CheckpointLinear(shape.hidden_size, shape.vocab_size, bias=False)
         self.rope = RopeTable(shape)
         # Gemma 3's local layers rotate by a base of their own (without the global layers' scaling).
-        self.local_rope = RopeTable(shape, shape.local_rope_theta, ()) if shape.local_rope_theta else None
+        self.local_rope = RopeTable(shape, shape.local_rope_theta, (), 1.0) if shape.local_rope_theta else None
         self.embed_scale = torch.tensor(shape.embed_scale, dtype=torch.float32, device="cpu")
         # Run the layers through kernels.Decoder where it is built (one call for all of them);
         # False runs the modules one by one (the reference the tests compare it with).
@@ -569,14 +657,16 @@ class RopeTable:
 
     ROPE_CHUNK = 1024
 
-    def __init__(self, shape: DecoderShape, theta: float | None = None, factors: tuple[float, ...] | None = None) -> None:
+    def __init__(self, shape: DecoderShape, theta: float | None = None, factors: tuple[float, ...] | None = None,
+                 scale: float | None = None) -> None:
         """theta: the rotary base (None: shape.rope_theta); factors: each frequency's divisor (None:
-        shape.rope_factors)."""
+        shape.rope_factors); scale: what cos and sin are multiplied by (None: shape.rope_attention_factor)."""
         exponents = torch.arange(0, shape.head_dim, 2, dtype=torch.float32, device="cpu") / shape.head_dim
         self.inv_freq = 1.0 / ((theta or shape.rope_theta)**exponents)  # [head_dim / 2]
         factors = shape.rope_factors if factors is None else factors
         if factors:
             self.inv_freq = self.inv_freq / torch.tensor(factors, dtype=torch.float32, device="cpu")
+        self.scale = shape.rope_attention_factor if scale is None else scale
         self.cos = torch.empty(0, shape.head_dim, device="cpu")
         self.sin = torch.empty(0, shape.head_dim, device="cpu")
 
@@ -586,8 +676,11 @@ class RopeTable:
             first = self.cos.shape[0]
             freqs = torch.arange(first, first + self.ROPE_CHUNK).float()[:, None] * self.inv_freq[None, :]
             angles = torch.cat((freqs, freqs), dim=-1)  # [ROPE_CHUNK, head_dim]
-            self.cos = torch.cat((self.cos, angles.cos()))
-            self.sin = torch.cat((self.sin, angles.sin()))
+            cos, sin = angles.cos(), angles.sin()
+            if self.scale != 1.0:  # YaRN: one multiplication an element, as transformers' attention_scaling
+                cos, sin = cos * self.scale, sin * self.scale
+            self.cos = torch.cat((self.cos, cos))
+            self.sin = torch.cat((self.sin, sin))
         return self.cos[positions][:, None], self.sin[positions][:, None]
 
 

@@ -28,7 +28,8 @@ from draftwise.models.gguf_weights import dequantised_note, read_blocks, rope_sc
 from draftwise.models.kernels import native_kernels
 from draftwise.models.linear import (BlockWeight, WeightFormat, check_activations, check_quantize,
                                      default_activations, use_activations)
-from draftwise.models.llama import SUPPORTED_ARCHITECTURES, DecoderShape, LlamaModel, rope_divisors
+from draftwise.models.llama import (SUPPORTED_ARCHITECTURES, DecoderShape, LlamaModel, requested_rope_scaling,
+                                     rope_attention_factor, rope_context, rope_divisors)
 from draftwise.models.memory import keep_freed_memory
 
 # --dtype: how the native decoder stores weights (activations: --activations, models/linear.py).
@@ -119,7 +120,8 @@ def resolve(spec: str, auto_fetch: bool = False, progress: bool = True, weights:
 
 
 def load(spec: str, dtype: str = "auto", auto_fetch: bool = False, progress: bool = True,
-         quantize: str | None = None, activations: str = "auto", kv_cache: str = "auto") -> LoadedModel:
+         quantize: str | None = None, activations: str = "auto", kv_cache: str = "auto",
+         rope_scaling: str | None = None) -> LoadedModel:
     """Load spec as a native model with its tokenizer. dtype says how weights are stored
     ("auto": a GGUF model's own blocks, else float32; "float32"; "bfloat16"); quantize ("int8"
     or "int4") re-quantizes the float weights into Q8_0 / Q4_1 blocks instead. activations:
@@ -129,8 +131,10 @@ def load(spec: str, dtype: str = "auto", auto_fetch: bool = False, progress: boo
     model's own blocks where the CPU has AMX tiles or AVX-512 BF16, else float32:
     linear.default_activations); the result's .activations says which. kv_cache: what the caches
     store keys and values in, "float32", "bf16" or "auto" (bf16 unless the activations are
-    float32; kv_cache.cache_dtype); .kv_cache says which. Architectures the
-    native decoder lacks (e.g. Phi-3) load through transformers instead (models/hf.py)."""
+    float32; kv_cache.cache_dtype); .kv_cache says which. rope_scaling: "yarn:FACTOR" extends a
+    model without rope scaling of its own to FACTOR times its context by YaRN (as llama.cpp's
+    `--rope-scaling yarn --rope-scale FACTOR`). Architectures the native decoder lacks (e.g.
+    Phi-3) load through transformers instead (models/hf.py)."""
     from transformers import AutoConfig, AutoTokenizer
     from safetensors.torch import load_file
 
@@ -138,6 +142,7 @@ def load(spec: str, dtype: str = "auto", auto_fetch: bool = False, progress: boo
     check_quantize(quantize)  # before the slow part
     check_activations(activations)
     check_kv_cache(kv_cache)
+    requested = None if rope_scaling is None else requested_rope_scaling(rope_scaling)
     keep_freed_memory()  # forwards reuse their tensors' pages instead of faulting them in again
     own_blocks = dtype == "auto" and quantize is None  # a GGUF model then runs its file's blocks
     folder = resolve(spec, auto_fetch=auto_fetch, progress=progress, weights=not own_blocks)
@@ -154,12 +159,17 @@ def load(spec: str, dtype: str = "auto", auto_fetch: bool = False, progress: boo
             if kv_cache != "auto":
                 raise ConfigError(f"--kv-cache {kv_cache} needs the native decoder, which does not implement "
                                   f"{config.model_type!r} ({spec} loads through transformers): drop --kv-cache.")
+            if requested is not None:
+                raise ConfigError(f"--rope-scaling needs the native decoder, which does not implement "
+                                  f"{config.model_type!r} ({spec} loads through transformers): drop --rope-scaling.")
             folder = resolve(spec, auto_fetch=auto_fetch, progress=progress)  # transformers reads the weights
             return _load_through_transformers(spec, folder, config, torch_dtype, quantize)
         shape = DecoderShape.from_hf_config(config)
         source = gguf_file or gguf_source(spec)  # its float weights too come from a GGUF file's
         if source is not None:  # rope scaling that transformers' GGUF reader leaves out of the config
             shape = gguf_rope_scaling(shape, source, spec)
+        if requested is not None:
+            shape = requested_scaling(shape, requested, spec)
         bar.update()
         if gguf_file is not None:
             weights = read_blocks(gguf_file, config.model_type, shape.num_heads, shape.num_kv_heads)
@@ -193,17 +203,55 @@ def load(spec: str, dtype: str = "auto", auto_fetch: bool = False, progress: boo
 
 def gguf_rope_scaling(shape: DecoderShape, path: Path, spec: str) -> DecoderShape:
     """shape with the rope scaling of the GGUF file at path: its rope_freqs divisors (Llama 3.1+),
-    else its `<arch>.rope.scaling.*` metadata (linear: a Gemma 3 4B's global layers), which the
-    config transformers wrote from the file lacks; a kind the decoder does not run is refused."""
+    else its `<arch>.rope.scaling.*` metadata (linear: a Gemma 3 4B's global layers; yarn: a Qwen2.5
+    converted with its long-context settings), which the config transformers wrote from the file
+    lacks; a kind or setting the decoder does not run is refused."""
     divisors, scaling = rope_scaling(path)
     if divisors is not None:
         return rope_scaled(shape, divisors, spec)
     if not scaling or shape.rope_factors:
         return shape
     try:
-        return replace(shape, rope_factors=rope_divisors(scaling, shape.head_dim, shape.rope_theta))
+        # llama.cpp's YaRN counts the original context as the file's own where no key says otherwise
+        parameters = ({"original_max_position_embeddings": shape.max_context, **_llama_cpp_yarn(scaling)}
+                      if scaling["rope_type"] == "yarn" else scaling)
+        return replace(shape, rope_factors=rope_divisors(parameters, shape.head_dim, shape.rope_theta),
+                       rope_attention_factor=rope_attention_factor(parameters),
+                       max_context=rope_context(parameters, shape.max_context))
     except (KeyError, ModelLoadError) as error:
         raise ModelLoadError(f"{spec}: its rope scaling {scaling} cannot be applied: {error}") from None
+
+
+# llama.cpp's YaRN settings a GGUF file may carry, at the values that leave its rope_yarn as
+# transformers' (cos and sin scaled by 0.1 ln(factor) + 1, the ramp fully applied); others are
+# refused by name rather than run otherwise.
+_YARN_NO_OPS = {"attn_factor": (1.0,), "yarn_attn_factor": (1.0,), "yarn_ext_factor": (-1.0, 1.0),
+                "yarn_log_multiplier": (0.0,)}
+
+
+def _llama_cpp_yarn(scaling: dict) -> dict:
+    """A GGUF file's YaRN metadata as transformers' rope parameters."""
+    parameters = {"rope_type": "yarn"}
+    for key, value in scaling.items():
+        if key in _YARN_NO_OPS:
+            if float(value) not in _YARN_NO_OPS[key]:
+                raise ModelLoadError(f"rope.scaling.{key}={float(value):g} is not run by the native decoder (it runs YaRN as "
+                                     "transformers does: factor, original_context_length, beta_fast, beta_slow)")
+        elif key in ("yarn_beta_fast", "yarn_beta_slow"):
+            parameters[key.removeprefix("yarn_")] = float(value)
+        elif key != "finetuned":
+            parameters[key] = value
+    return parameters
+
+
+def requested_scaling(shape: DecoderShape, parameters: dict, spec: str) -> DecoderShape:
+    """shape with --rope-scaling's YaRN over its own context, where it has no scaling already."""
+    if shape.rope_factors:
+        raise ConfigError(f"{spec} already carries rope scaling (its config or file sets it): drop --rope-scaling.")
+    parameters = {**parameters, "original_max_position_embeddings": shape.max_context}
+    return replace(shape, rope_factors=rope_divisors(parameters, shape.head_dim, shape.rope_theta),
+                   rope_attention_factor=rope_attention_factor(parameters),
+                   max_context=rope_context(parameters, shape.max_context))
 
 
 def rope_scaled(shape: DecoderShape, divisors: torch.Tensor, spec: str) -> DecoderShape:
