@@ -18,6 +18,7 @@ from draftwise.models import kernels as kernels_module
 from draftwise.models.gguf_index import read_index
 from draftwise.models.linear import INT8_FORMATS, BlockLinear, BlockWeight, WeightFormat
 from tests.iq4 import quantize_iq4_nl, quantize_iq4_xs
+from tests.lattice import LATTICE_FORMATS, random_blocks_like
 from tests.q2k import quantize_q2_k
 from tests.q3k import quantize_q3_k
 from tests.q5k import quantize_q5_k
@@ -74,12 +75,24 @@ def requantized_blocks(format: WeightFormat, num_rows: int = 48):
     return torch.from_numpy(quantize(weight)), num_columns
 
 
+@functools.cache
+def lattice_blocks(format: WeightFormat, num_rows: int = 48):
+    """Blocks of a lattice format (IQ1_S .. IQ3_S) at a real matrix's scale: Qwen2.5-Coder-0.5B's
+    Q4_K rows (4864 columns), each 256-weight block replaced by random lattice points of the same
+    root mean square (tests/lattice.py: gguf-py cannot write these formats, and every bit pattern
+    is a valid block, so random blocks reach every index, sign and scale the decoders read)."""
+    data, num_columns = real_blocks(WeightFormat.Q4_K, num_rows)
+    weight = quants.dequantize(data.numpy(), WeightFormat.Q4_K).reshape(num_rows, num_columns)
+    return torch.from_numpy(random_blocks_like(weight, format, np.random.default_rng(int(format)))), num_columns
+
+
 CASES = [(WeightFormat.Q4_1, real_blocks), (WeightFormat.Q8_0, real_blocks), (WeightFormat.Q5_0, real_blocks),
          (WeightFormat.Q4_K, real_blocks), (WeightFormat.Q6_K, real_blocks), (WeightFormat.Q5_K, requantized_blocks),
          (WeightFormat.Q3_K, requantized_blocks), (WeightFormat.Q2_K, requantized_blocks),
          (WeightFormat.IQ4_XS, requantized_blocks), (WeightFormat.IQ4_NL, requantized_blocks),
          (WeightFormat.Q4_0, synthetic_blocks), (WeightFormat.Q5_1, synthetic_blocks), (WeightFormat.BF16, synthetic_blocks),
-         (WeightFormat.F16, synthetic_blocks), (WeightFormat.F32, synthetic_blocks)]
+         (WeightFormat.F16, synthetic_blocks), (WeightFormat.F32, synthetic_blocks)] + [
+            (format, lattice_blocks) for format in LATTICE_FORMATS]
 
 
 @pytest.mark.parametrize("format, make", CASES, ids=[format.name for format, _ in CASES])
@@ -112,7 +125,7 @@ INVARIANCE_CASES = [(WeightFormat.F32, 600), (WeightFormat.F32, 576), (WeightFor
                     (WeightFormat.Q8_0, 4608)] + [(format, None) for format in (
                         WeightFormat.Q2_K, WeightFormat.Q3_K, WeightFormat.Q4_K, WeightFormat.Q5_K, WeightFormat.Q6_K, WeightFormat.Q8_0,
                         WeightFormat.Q4_1, WeightFormat.IQ4_XS, WeightFormat.IQ4_NL,
-                        WeightFormat.Q5_0, WeightFormat.Q4_0, WeightFormat.Q5_1)]
+                        WeightFormat.Q5_0, WeightFormat.Q4_0, WeightFormat.Q5_1, *LATTICE_FORMATS)]
 
 
 @pytest.mark.parametrize("format, synthetic_columns", INVARIANCE_CASES,
@@ -573,6 +586,19 @@ def test_greedy_verification_takes_its_argmax_from_the_loaded_kernels(kernels, m
     monkeypatch.setattr(verify, "loaded_kernels", kernels_module.loaded_kernels)
     assert verify.loaded_kernels() is None  # nothing built in this process: max() answers
     assert torch.equal(verify.argmax_rows(logits), logits.argmax(dim=-1))
+
+
+def test_a_lattice_codebook_of_the_wrong_shape_is_refused(kernels):
+    """The decoders index a codebook as far as its format's indices reach: a table of another
+    shape would be read past its end, so it is refused (and the one in use stays)."""
+    with pytest.raises(RuntimeError, match=r"codebook must be float32 \[256, 8\]"):
+        kernels.set_lattice_grid(int(WeightFormat.IQ2_XXS), torch.zeros(128, 8))
+    with pytest.raises(RuntimeError, match="not a lattice format"):
+        kernels.set_lattice_grid(int(WeightFormat.Q4_K), torch.zeros(256, 8))
+    data, num_columns = lattice_blocks(WeightFormat.IQ2_XXS)
+    reference = quants.dequantize(data.numpy(), WeightFormat.IQ2_XXS).reshape(data.shape[0], num_columns)
+    assert torch.equal(kernels.dequantize_rows(data, int(WeightFormat.IQ2_XXS), num_columns, torch.arange(data.shape[0])),
+                       torch.from_numpy(np.ascontiguousarray(reference, dtype=np.float32)))
 
 
 def test_bad_shapes_are_refused_with_the_reason(kernels):

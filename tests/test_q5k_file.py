@@ -1,12 +1,14 @@
 """A GGUF file with Q5_K, Q3_K, Q2_K, IQ4_XS and IQ4_NL matrices (the main formats of Q5_K_M,
-Q3_K_S/M/L, Q2_K and IQ4_XS files) runs its blocks as shipped.
+Q3_K_S/M/L, Q2_K and IQ4_XS files) and the lattice formats below 4 bits (IQ1_S, IQ1_M, IQ2_XXS,
+IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S: IQ1/IQ2/IQ3 files') runs its blocks as shipped.
 
 None of the packaged models holds any, so the file here is SmolLM2-135M's own with its 30 down
 projections (1536 columns, whole 256-weight blocks; its other matrices have 576 columns, which
 llama.cpp too keeps out of 256-weight formats) re-quantised from their Q4_1 values, layer i's to
-Q5_K, Q3_K, Q2_K or IQ4_XS as i % 4 is 0, 1, 2 or 3, its up projections (576 columns) to IQ4_NL
-(as an IQ4_XS file stores such rows), and everything else copied: real weights, read as a user's
-file would be."""
+Q5_K, Q3_K, Q2_K or IQ4_XS as i % 4 is 0, 1, 2 or 3, but layers 4-10's to one lattice format each
+(random lattice points at the replaced blocks' scale: tests/lattice.py, as nothing here writes
+these formats), its up projections (576 columns) to IQ4_NL (as an IQ4_XS file stores such rows),
+and everything else copied: real weights, read as a user's file would be."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from draftwise.models.linear import WeightFormat, default_activations
 from tests.conftest import PROMPTS
 from tests.gguf_copy import copy_gguf
 from tests.iq4 import quantize_iq4_nl, quantize_iq4_xs
+from tests.lattice import LATTICE_FORMATS, random_blocks_like
 from tests.q2k import quantize_q2_k
 from tests.q3k import quantize_q3_k
 from tests.q5k import quantize_q5_k
@@ -34,7 +37,8 @@ from tests.test_batch_invariance import one_token_logits, stepped_logits
 from tests.test_model_parity import prompt_ids
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24)
-# layer i's down projection: DOWN_FORMATS[i % 4]
+# layer i's down projection: DOWN_FORMATS[i % 4], but layers 4-10's LATTICE_FORMATS[i - 4]
+LATTICE_LAYERS = range(4, 4 + len(LATTICE_FORMATS))
 DOWN_FORMATS = [(quantize_q5_k, WeightFormat.Q5_K), (quantize_q3_k, WeightFormat.Q3_K),
                 (quantize_q2_k, WeightFormat.Q2_K), (quantize_iq4_xs, WeightFormat.IQ4_XS)]
 
@@ -46,8 +50,12 @@ def write_with_q5k_down_projections(source: Path, path: Path) -> None:
     def requantised(name: str, data: np.ndarray, format):
         if not name.endswith(("ffn_down.weight", "ffn_up.weight")):
             return data, format
+        layer = int(name.split(".")[1])
+        if "ffn_down" in name and layer in LATTICE_LAYERS:
+            lattice = LATTICE_FORMATS[layer - LATTICE_LAYERS.start]
+            return random_blocks_like(quants.dequantize(data, format), lattice, np.random.default_rng(layer)), lattice
         quantize, new_format = (quantize_iq4_nl, WeightFormat.IQ4_NL) if "ffn_up" in name else DOWN_FORMATS[
-            int(name.split(".")[1]) % len(DOWN_FORMATS)]
+            layer % len(DOWN_FORMATS)]
         return quantize(quants.dequantize(data, format)), new_format
 
     copy_gguf(source, path, tensor=requantised)
@@ -71,6 +79,7 @@ def test_a_q5k_file_runs_its_blocks_with_the_same_bits_as_its_dequantised_weight
         blocks = loading.load(str(q5k_file), activations="float32", kv_cache="float32", progress=False)
     layers = blocks.model.model.layers
     assert [layer.mlp.down_proj.weight.format for layer in layers[:4]] == [format for _, format in DOWN_FORMATS]
+    assert [layers[i].mlp.down_proj.weight.format for i in LATTICE_LAYERS] == list(LATTICE_FORMATS)
     assert layers[0].mlp.up_proj.weight.format == WeightFormat.IQ4_NL
     # --dtype float32: transformers dequantises the file with gguf-py; the kernels' decode and
     # dequantised paths compute the same bits (a prefill, a 3-token verify, a one-token step).
@@ -117,7 +126,7 @@ def test_formats_the_kernels_do_not_run_as_blocks_are_named_with_their_cost_and_
     assert dequantised_note(q5k_file, tensors) is None  # Q5_K, Q3_K, Q2_K, IQ4_XS, IQ4_NL, Q4_1, Q8_0: all native
     name = "model.layers.0.mlp.down_proj.weight"
     data, _, columns = tensors[name]
-    tensors[name] = (data, WeightFormat.IQ3_S, columns)  # as an IQ3_M file's would read
+    tensors[name] = (data, WeightFormat.TQ2_0, columns)  # as a ternary (BitNet) file's would read
     note = dequantised_note(q5k_file, tensors)
-    assert note is not None and "1 of its 211 weight matrices are IQ3_S" in note
+    assert note is not None and "1 of its 211 weight matrices are TQ2_0" in note
     assert f"{576 * 1536 * 4 / 2**20:,.0f} MB in memory" in note and "Q5_K_M" in note

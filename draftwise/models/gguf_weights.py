@@ -115,7 +115,7 @@ def _llama_rotary_rows(num_rows: int, num_heads: int) -> torch.Tensor:
 
 def dequantised_note(path: Path, tensors: dict) -> str | None:
     """A warning's text where some of read_blocks' matrices are in a format the kernels do not run
-    as blocks (the IQ formats other than IQ4_NL and IQ4_XS, ...): those are dequantised to float32 when the model
+    as blocks (TQ1_0, TQ2_0, MXFP4, ...): those are dequantised to float32 when the model
     is built, so they take 32 bits a weight in memory and in every forward. None where there are none."""
     others = {name: entry for name, entry in tensors.items()
               if isinstance(entry, tuple) and entry[1] not in NATIVE_FORMATS}

@@ -54,7 +54,10 @@ def native_kernels(progress: bool = True) -> ModuleType | None:
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return None
     if "kernel" not in _BUILT:  # one build (or one failure, one warning) per process
-        _BUILT["kernel"] = _build(progress)
+        module = _build(progress)
+        if module is not None:
+            _give_codebooks(module)
+        _BUILT["kernel"] = module
     return _BUILT["kernel"]
 
 
@@ -103,6 +106,24 @@ def _build(progress: bool) -> ModuleType | None:
     if first_build:
         _remove_stale_builds(build_dir)
     return module
+
+
+# GGUF's lattice formats (IQ1/IQ2/IQ3 below 4 bits), whose codebooks the kernels read (kernels/lattice.h)
+LATTICE_FORMATS = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M")
+
+
+def _give_codebooks(module: ModuleType) -> None:
+    """Hand gguf-py's codebooks of the lattice formats to the kernels (kernels/lattice.h): the
+    tables a GGUF file's IQ blocks index, kept in one place (gguf.quants), not copied into C++."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    for name in LATTICE_FORMATS:
+        codebook = getattr(quants, name)
+        codebook.init_grid()  # built once per process from gguf-py's packed form
+        grid = np.ascontiguousarray(codebook.grid.reshape(-1, codebook.grid_shape[1]), dtype=np.float32)
+        module.set_lattice_grid(int(getattr(GGMLQuantizationType, name)), torch.from_numpy(grid))
+    module.set_lattice_signs(torch.frombuffer(bytearray(quants.IQ2_XXS.ksigns), dtype=torch.uint8))
 
 
 def _mark_used(build_dir: Path) -> None:

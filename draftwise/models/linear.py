@@ -45,6 +45,7 @@ from gguf import quants
 from torch import nn
 
 from draftwise.errors import ConfigError
+from draftwise.models import kernels as kernels_module
 from draftwise.models.kernels import native_kernels
 
 # `--quantize` name -> the block format it stores (both 32-weight blocks with float16 scales)
@@ -53,10 +54,12 @@ QUANTIZATIONS = {"int8": WeightFormat.Q8_0, "int4": WeightFormat.Q4_1}
 # SmolLM2 12 points of top-1 agreement, in 8 bits one (llama.cpp's Q4_K_M keeps it at 6 bits).
 INT4_KEEP_INT8 = ("lm_head",)
 # Formats the kernel runs as they are; any other GGUF format is dequantised to float32 at load.
+# The lattice formats (IQ1_S .. IQ3_S) are decoded a row at a time into floats (kernels/lattice.h).
+LATTICE_FORMATS = frozenset(WeightFormat[name] for name in kernels_module.LATTICE_FORMATS)
 NATIVE_FORMATS = frozenset({WeightFormat.F32, WeightFormat.F16, WeightFormat.BF16, WeightFormat.Q4_0,
                             WeightFormat.Q4_1, WeightFormat.Q5_0, WeightFormat.Q5_1, WeightFormat.Q8_0,
                             WeightFormat.Q2_K, WeightFormat.Q3_K, WeightFormat.Q4_K, WeightFormat.Q5_K,
-                            WeightFormat.Q6_K, WeightFormat.IQ4_NL, WeightFormat.IQ4_XS})
+                            WeightFormat.Q6_K, WeightFormat.IQ4_NL, WeightFormat.IQ4_XS}) | LATTICE_FORMATS
 # What a linear's input is rounded to before it meets the weights; --activations also takes
 # "auto" (default_activations chooses one of these).
 SETTINGS = ("float32", "int8", "bf16", "amx", "int16")
@@ -79,7 +82,7 @@ class BlockWeight(nn.Module):
 
     def __init__(self, data: torch.Tensor, format: WeightFormat, num_columns: int) -> None:
         super().__init__()
-        if format not in NATIVE_FORMATS:  # e.g. IQ3_S, IQ2_XS: exact float32 values, 32 bits each
+        if format not in NATIVE_FORMATS:  # e.g. TQ2_0: exact float32 values, 32 bits each
             data = _raw_bytes(dequantize(data, format, num_columns))
             format = WeightFormat.F32
         self.format = WeightFormat(format)

@@ -22,6 +22,7 @@
 #include <type_traits>
 
 #include "formats.h"
+#include "lattice.h"
 #include "message.h"
 
 // Decoders and the loops they feed are one function to the compiler (its inliner otherwise
@@ -885,8 +886,10 @@ inline bool is_block_format(int64_t format) {
          format == IQ4_XS;
 }
 
-// One row of K weights from its format into out (float32), 16 at a time: blocks.h's values.
+// One row of K weights from its format into out (float32), 16 at a time: blocks.h's values (the
+// lattice formats' from lattice.h).
 inline void dequantize_row(int64_t format, const uint8_t* row, float* out, int64_t K) {
+  if (is_lattice_format(format)) return dequantize_lattice_row(format, row, out, K);
   switch (format) {
     case F16:
       for (int64_t k = 0; k < K; ++k) out[k] = half_to_float(row + 2 * k);

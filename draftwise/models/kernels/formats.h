@@ -14,7 +14,8 @@ namespace draftwise {
 
 // GGML type ids (the numbers in a GGUF file).
 enum Format : int64_t { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11,
-                        Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23, BF16 = 30 };
+                        Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ2_XXS = 16, IQ2_XS = 17, IQ3_XXS = 18, IQ1_S = 19,
+                        IQ4_NL = 20, IQ3_S = 21, IQ2_S = 22, IQ4_XS = 23, IQ1_M = 29, BF16 = 30 };
 
 struct Layout { int64_t weights; int64_t bytes; };  // per block
 
@@ -35,6 +36,14 @@ inline Layout layout(int64_t format) {
     case Q6_K: return {256, 210};
     case IQ4_NL: return {32, 18};
     case IQ4_XS: return {256, 136};
+    // the lattice formats (lattice.h): decoded into floats a row at a time, not in registers
+    case IQ2_XXS: return {256, 66};
+    case IQ2_XS: return {256, 74};
+    case IQ2_S: return {256, 82};
+    case IQ3_XXS: return {256, 98};
+    case IQ3_S: return {256, 110};
+    case IQ1_S: return {256, 50};
+    case IQ1_M: return {256, 56};
   }
   TORCH_CHECK(false, say("draftwise kernels: weight format ", format, " is not supported"));
 }
@@ -105,6 +114,12 @@ inline void check_weight(const at::Tensor& weight, int64_t format, int64_t K) {
 
 // The K-quant formats (256-weight super-blocks with sub-block scales): int8_linear's and
 // int16_linear's integer paths take them apart from the 32-weight blocks.
+// GGUF's lattice formats (the IQ quants below 4 bits: lattice.h).
+inline bool is_lattice_format(int64_t format) {
+  return format == IQ2_XXS || format == IQ2_XS || format == IQ2_S || format == IQ3_XXS || format == IQ3_S ||
+         format == IQ1_S || format == IQ1_M;
+}
+
 inline bool is_kquant(int64_t format) { return format == Q4_K || format == Q5_K || format == Q6_K; }
 // The formats int8_linear multiplies (the 32-weight blocks and the K-quants but Q2_K and Q3_K);
 // any other would be read with a wrong layout, so it refuses them.

@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 
 #include "decoder.h"
+#include "lattice.h"
 
 namespace {
 
@@ -33,6 +34,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("vector_paths", &vector_paths,
         "the vector code this build compiled: avx512, avx2 (pairs of 256-bit vectors) or generic");
   m.def("dequantize_rows", &draftwise::dequantize_rows, "rows of a blocked weight as float32");
+  m.def("set_lattice_grid", &draftwise::set_lattice_grid, "a lattice format's codebook (gguf-py's), float32 [entries, width]");
+  m.def("set_lattice_signs", &draftwise::set_lattice_signs, "the 128 bytes that turn 7 sign bits into 8 (gguf-py's ksigns)");
   m.def("rms_norm", &draftwise::rms_norm, "RMSNorm, row by row");
   m.def("argmax_rows", &draftwise::argmax_rows, "each row's argmax (the first of equal maxima, NaN the largest)");
   m.def("silu_mul", &draftwise::silu_mul, "silu(gate) * up");

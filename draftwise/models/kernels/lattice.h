@@ -1,0 +1,271 @@
+// GGUF's lattice formats, the IQ quants below 4 bits (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S,
+// IQ3_XXS, IQ3_S: the main formats of IQ1/IQ2/IQ3 files): each group of 4 or 8 weights is one
+// point of a codebook (a "grid" of small integers: 8 / 25 / 43 for IQ2, 4..62 or 1..15 for IQ3,
+// -1 / 0 / 1 for IQ1) named by an 8-11-bit index, with its signs stored apart (a byte of sign
+// bits, or 7 bits whose eighth is the parity of the others: `ksigns`) and a scale per 16 or 32
+// weights under the block's float16 d.
+//
+// The codebooks are gguf-py's own (gguf.quants, which reads and writes GGUF files for
+// transformers and llama.cpp alike): Python hands them to the kernels once
+// (set_lattice_grid / set_lattice_signs, from models/kernels.py), so the tables live in one place.
+//
+// dequantize_lattice_row writes a row's float32 values with the float32 operations of gguf-py's
+// dequantize_blocks in the same order (a scale, then the grid value, then the sign), so every
+// path that decodes a row into floats (linear.cpp's float32 products, bf16_linear.cpp's and
+// amx_linear.cpp's rounding) computes exactly the weights `--dtype float32` would dequantise, from
+// 1.6-3.4 bits a weight instead of 32.
+#pragma once
+
+#include "formats.h"
+#include "message.h"
+#include "vec.h"
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace draftwise {
+
+struct LatticeTables {
+  std::vector<float> grid[32];  // by format id: entries x width floats
+  uint8_t ksigns[128] = {};
+  bool have_signs = false;
+};
+
+// A format's codebook size: {entries, values an entry}; the decoders index exactly this far.
+struct CodebookShape { int64_t entries; int64_t width; };
+inline CodebookShape codebook_shape(int64_t format) {
+  switch (format) {
+    case IQ2_XXS: return {256, 8};
+    case IQ2_XS: return {512, 8};
+    case IQ2_S: return {1024, 8};
+    case IQ3_XXS: return {256, 4};
+    case IQ3_S: return {512, 4};
+    case IQ1_S:
+    case IQ1_M: return {2048, 8};
+  }
+  TORCH_CHECK(false, say("draftwise kernels: format ", format, " is not a lattice format"));
+}
+
+inline LatticeTables& lattice_tables() {
+  static LatticeTables tables;
+  return tables;
+}
+
+// grid: gguf-py's codebook of `format`, float32 [entries, width] as codebook_shape says.
+inline void set_lattice_grid(int64_t format, const at::Tensor& grid) {
+  const CodebookShape shape = codebook_shape(format);
+  TORCH_CHECK(grid.dim() == 2 && grid.scalar_type() == at::kFloat && grid.size(0) == shape.entries &&
+                  grid.size(1) == shape.width,
+              say("set_lattice_grid: format ", format, "'s codebook must be float32 [", shape.entries, ", ", shape.width,
+                  "], not ", grid.sizes()));
+  const at::Tensor values = grid.contiguous();
+  lattice_tables().grid[format].assign(values.data_ptr<float>(), values.data_ptr<float>() + values.numel());
+}
+
+// ksigns: the 128 bytes that turn 7 sign bits into 8 (the eighth: the parity of the seven).
+inline void set_lattice_signs(const at::Tensor& ksigns) {
+  TORCH_CHECK(ksigns.dim() == 1 && ksigns.scalar_type() == at::kByte && ksigns.numel() == 128,
+              "set_lattice_signs: ksigns must be uint8 [128]");
+  LatticeTables& tables = lattice_tables();
+  std::memcpy(tables.ksigns, ksigns.contiguous().data_ptr<uint8_t>(), 128);
+  tables.have_signs = true;
+}
+
+namespace lattice {
+
+inline uint16_t u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+inline uint32_t u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// Each byte of sign bits as 8 factors, +1 or -1 (bit j: value j): a group's 8 values are then one
+// vector multiply of its codebook row, its scale and its signs' table row (a select per value,
+// scalar, made a Qwen2.5-Coder-1.5B IQ3_M token take 2 s; 0.15 s now).
+struct SignTable {
+  alignas(32) float values[256][8];
+  SignTable() {
+    for (int byte = 0; byte < 256; ++byte)
+      for (int j = 0; j < 8; ++j) values[byte][j] = (byte >> j) & 1 ? -1.0f : 1.0f;
+  }
+};
+inline const SignTable kSignTable;
+
+// 8 values: (scale * grid value) * sign, the grid values the 8 of `point` (the 8-wide codebooks)
+// or 4 of `first` and 4 of `second` (the 4-wide ones), the signs bit j of `signs` for value j.
+// scale: the group's scale in every lane (broadcast once a group).
+inline void signed_points(v8 scale, v8 point, uint8_t signs, float* out) {
+  v8 sign;
+  std::memcpy(&sign, kSignTable.values[signs], 32);
+  const v8 value = scale * point * sign;
+  std::memcpy(out, &value, 32);
+}
+
+inline void signed_points(v8 scale, const float* point, uint8_t signs, float* out) {
+  v8 values;
+  std::memcpy(&values, point, 32);
+  signed_points(scale, values, signs, out);
+}
+
+inline void signed_points(v8 scale, const float* first, const float* second, uint8_t signs, float* out) {
+#if defined(__AVX__)
+  // one register from two 16-byte loads (two 16-byte stores read back as 32 bytes stall the load)
+  signed_points(scale, v8(_mm256_set_m128(_mm_loadu_ps(second), _mm_loadu_ps(first))), signs, out);
+#else
+  const float* sign = kSignTable.values[signs];
+  for (int j = 0; j < 4; ++j) out[j] = scale[0] * first[j] * sign[j];
+  for (int j = 0; j < 4; ++j) out[4 + j] = scale[0] * second[j] * sign[4 + j];
+#endif
+}
+
+// IQ2_XXS: 8 groups of 32: two uint32s, the first four grid indices (a byte each), the second
+// four 7-bit sign indices and a 4-bit scale; db = d * (0.5 + scale) * 0.25.
+inline void iq2_xxs(const uint8_t* block, const float* grid, const uint8_t* ksigns, float* out) {
+  const float d = half_value(block);
+  for (int g = 0; g < 8; ++g) {
+    const uint8_t* indices = block + 2 + 8 * g;
+    const uint32_t aux = u32(indices + 4);
+    const v8 db = broadcast8(d * (0.5f + float(aux >> 28)) * 0.25f);
+    for (int l = 0; l < 4; ++l)
+      signed_points(db, grid + 8 * indices[l], ksigns[(aux >> (7 * l)) & 127], out + 32 * g + 8 * l);
+  }
+}
+
+// IQ2_XS: 32 uint16s (a 9-bit grid index, a 7-bit sign index), then 16 4-bit scales, one per 16
+// weights (low nibble first); db = d * (0.5 + scale) * 0.25.
+inline void iq2_xs(const uint8_t* block, const float* grid, const uint8_t* ksigns, float* out) {
+  const float d = half_value(block);
+  const uint8_t* scales = block + 66;
+  for (int s = 0; s < 16; ++s) {
+    const v8 db = broadcast8(d * (0.5f + float((scales[s / 2] >> (4 * (s % 2))) & 15)) * 0.25f);
+    for (int h = 0; h < 2; ++h) {
+      const uint16_t q = u16(block + 2 + 2 * (2 * s + h));
+      signed_points(db, grid + 8 * (q & 511), ksigns[q >> 9], out + 16 * s + 8 * h);
+    }
+  }
+}
+
+// IQ2_S: 32 low bytes of 10-bit grid indices, 32 sign bytes, 8 bytes of the indices' top two bits
+// (four an byte, low first), 16 4-bit scales as IQ2_XS's.
+inline void iq2_s(const uint8_t* block, const float* grid, float* out) {
+  const float d = half_value(block);
+  const uint8_t *low = block + 2, *signs = block + 34, *high = block + 66, *scales = block + 74;
+  for (int s = 0; s < 16; ++s) {
+    const v8 db = broadcast8(d * (0.5f + float((scales[s / 2] >> (4 * (s % 2))) & 15)) * 0.25f);
+    for (int h = 0; h < 2; ++h) {
+      const int i = 2 * s + h;
+      const int index = low[i] | ((high[i / 4] >> (2 * (i % 4))) & 3) << 8;
+      signed_points(db, grid + 8 * index, signs[i], out + 8 * i);
+    }
+  }
+}
+
+// IQ3_XXS: 64 grid indices of 4 values, then 8 uint32s as IQ2_XXS's second word (sign indices
+// and a scale); db = d * (0.5 + scale) * 0.5.
+inline void iq3_xxs(const uint8_t* block, const float* grid, const uint8_t* ksigns, float* out) {
+  const float d = half_value(block);
+  const uint8_t* indices = block + 2;
+  for (int g = 0; g < 8; ++g) {
+    const uint32_t aux = u32(block + 66 + 4 * g);
+    const v8 db = broadcast8(d * (0.5f + float(aux >> 28)) * 0.5f);
+    for (int l = 0; l < 4; ++l) {
+      signed_points(db, grid + 4 * indices[8 * g + 2 * l], grid + 4 * indices[8 * g + 2 * l + 1],
+                    ksigns[(aux >> (7 * l)) & 127], out + 32 * g + 8 * l);
+    }
+  }
+}
+
+// IQ3_S: 64 low bytes of 9-bit grid indices (4 values each), 8 bytes of their top bits, 32 sign
+// bytes, 8 4-bit scales (one per 32 weights); db = d * (1 + 2 scale).
+inline void iq3_s(const uint8_t* block, const float* grid, float* out) {
+  const float d = half_value(block);
+  const uint8_t *low = block + 2, *high = block + 66, *signs = block + 74, *scales = block + 106;
+  for (int g = 0; g < 8; ++g) {
+    const v8 db = broadcast8(d * float(1 + 2 * ((scales[g / 2] >> (4 * (g % 2))) & 15)));
+    const unsigned top = high[g];  // the ninth bits of the group's 8 indices, bit k for index 8g + k
+    const uint8_t* group = low + 8 * g;
+    for (int l = 0; l < 4; ++l) {
+      signed_points(db, grid + 4 * (group[2 * l] | (top << (8 - 2 * l) & 256)),
+                    grid + 4 * (group[2 * l + 1] | (top << (7 - 2 * l) & 256)), signs[4 * g + l], out + 32 * g + 8 * l);
+    }
+  }
+}
+
+// 8 values: dl * (grid point + delta).
+inline void shifted_points(v8 dl, const float* point, v8 delta, float* out) {
+  v8 values;
+  std::memcpy(&values, point, 32);
+  values = dl * (values + delta);
+  std::memcpy(out, &values, 32);
+}
+
+constexpr float IQ1_DELTA = 0.125f;
+
+// IQ1_S: 32 low bytes of 11-bit grid indices (values -1, 0, 1), then 8 uint16s, one per 32
+// weights: four 3-bit index tops, a 3-bit scale, the sign of the shift by delta.
+inline void iq1_s(const uint8_t* block, const float* grid, float* out) {
+  const float d = half_value(block);
+  const uint8_t* low = block + 2;
+  for (int g = 0; g < 8; ++g) {
+    const uint16_t qh = u16(block + 34 + 2 * g);
+    const v8 dl = broadcast8(d * float(2 * ((qh >> 12) & 7) + 1));
+    const v8 delta = broadcast8(qh & 0x8000 ? -IQ1_DELTA : IQ1_DELTA);
+    for (int l = 0; l < 4; ++l)
+      shifted_points(dl, grid + 8 * (low[4 * g + l] | ((qh >> (3 * l)) & 7) << 8), delta, out + 32 * g + 8 * l);
+  }
+}
+
+// IQ1_M: 32 low bytes of 11-bit grid indices, 16 bytes of nibbles (an index's three top bits and
+// the sign of its shift, low nibble first), 4 uint16s: 3-bit scales (one per 16 weights) and,
+// in their top nibbles, the float16 d.
+inline void iq1_m(const uint8_t* block, const float* grid, float* out) {
+  const uint8_t *low = block, *high = block + 32, *packed = block + 48;
+  uint16_t s[4];
+  for (int i = 0; i < 4; ++i) s[i] = u16(packed + 2 * i);
+  const uint16_t d_bits = uint16_t((s[0] & 0xF000) >> 12 | (s[1] & 0xF000) >> 8 | (s[2] & 0xF000) >> 4 | (s[3] & 0xF000));
+  const float d = half_value(reinterpret_cast<const uint8_t*>(&d_bits));
+  for (int h = 0; h < 16; ++h) {  // 16 weights each
+    const v8 dl = broadcast8(d * float(2 * ((s[h / 4] >> (3 * (h % 4))) & 7) + 1));
+    for (int p = 0; p < 2; ++p) {
+      const int i = 2 * h + p;
+      const uint8_t nibble = (high[h] >> (4 * p)) & 15;  // index i's: byte i / 2 = h, nibble p
+      const v8 delta = broadcast8(nibble & 8 ? -IQ1_DELTA : IQ1_DELTA);
+      shifted_points(dl, grid + 8 * (low[i] | (nibble & 7) << 8), delta, out + 8 * i);
+    }
+  }
+}
+
+}  // namespace lattice
+
+// One row of K weights (whole 256-weight blocks) of a lattice format into out (float32).
+inline void dequantize_lattice_row(int64_t format, const uint8_t* row, float* out, int64_t K) {
+  const LatticeTables& tables = lattice_tables();
+  const float* grid = tables.grid[format].data();
+  TORCH_CHECK(!tables.grid[format].empty() && (tables.have_signs || format == IQ2_S || format == IQ3_S ||
+                                                format == IQ1_S || format == IQ1_M),
+              say("draftwise kernels: the codebook of weight format ", format, " was not given (set_lattice_grid)"));
+  const int64_t bytes = layout(format).bytes;
+  for (int64_t b = 0; b < K / 256; ++b, row += bytes, out += 256) {
+    prefetch_ahead(row, bytes);  // the rows after this one: a matrix's rows lie one after another
+    switch (format) {
+      case IQ2_XXS: lattice::iq2_xxs(row, grid, tables.ksigns, out); break;
+      case IQ2_XS: lattice::iq2_xs(row, grid, tables.ksigns, out); break;
+      case IQ2_S: lattice::iq2_s(row, grid, out); break;
+      case IQ3_XXS: lattice::iq3_xxs(row, grid, tables.ksigns, out); break;
+      case IQ3_S: lattice::iq3_s(row, grid, out); break;
+      case IQ1_S: lattice::iq1_s(row, grid, out); break;
+      case IQ1_M: lattice::iq1_m(row, grid, out); break;
+    }
+  }
+}
+
+}  // namespace draftwise
