@@ -74,12 +74,17 @@ def keep_vocabulary(head: torch.nn.Module, size: int) -> torch.nn.Module:
     return kept
 
 
-# Head forwards of more rows than this (the prompt's rows, read once a request; a server's
-# prefill chunks) run on AMX tiles where the CPU has them: SmolLM2's head read a 160-token chat
-# prompt in 15 ms and a 370-token RAG prompt in 35 ms through int8 activations, 2-4% of a
-# 128-token answer. A drafter's numerics only choose what is proposed, so its rows need not be
-# computed alike at every row count.
-WIDE_ROWS = 16
+# Head forwards (and LM-head products) of more rows than this run on AMX tiles where the CPU has
+# them: the prompt's rows, read once a request (SmolLM2's head read a 160-token chat prompt in 15
+# ms and a 370-token RAG prompt in 35 ms through int8 activations, 2-4% of a 128-token answer),
+# and a tree level's frontier of 3-4 nodes, where tiles beat int8's dot products (the 8192 x 576
+# Q8_0 LM head, us for 1 / 3 / 8 rows: int8 184 / 308 / 565, amx 284 / 292 / 311). Above 2
+# against above 16, `eagle` on SmolLM2 over the bench suite's chat / math / translation prompts
+# (6 each, 128 tokens, both in one process, prompts alternated; AMX Xeon model 167, two runs):
+# 1.619 -> 1.653x / 1.855 -> 1.841x / 1.907 -> 1.922x and 1.665 -> 1.683x / 1.833 -> 1.864x /
+# 1.936 -> 1.951x plain. A drafter's numerics only choose what is proposed, so its rows need not
+# be computed alike at every row count.
+WIDE_ROWS = 2
 
 
 def wide_activations() -> str | None:
@@ -227,7 +232,7 @@ class EagleDrafter:
 
     def _logits(self, outputs: torch.Tensor) -> torch.Tensor:
         """head.logits: outputs [R, hidden] -> [R, draft vocab]."""
-        return self.head.lm_head(self._norm(outputs, self.head.norm))
+        return self._linear(self.head.lm_head, self._norm(outputs, self.head.norm))
 
     def _read_committed(self, context: torch.Tensor) -> None:
         """Row r reads the target's feature of position r and token r + 1, which are now committed."""
