@@ -245,6 +245,14 @@ def rope_attention_factor(parameters: dict) -> float:
     return magnitude()
 
 
+def with_rope_scaling(shape: DecoderShape, parameters: dict) -> DecoderShape:
+    """shape with a rope_parameters dict's scaling (a GGUF file's metadata, --rope-scaling): its
+    divisors, YaRN's cos/sin scale, and the context YaRN extends to."""
+    return replace(shape, rope_factors=rope_divisors(parameters, shape.head_dim, shape.rope_theta),
+                   rope_attention_factor=rope_attention_factor(parameters),
+                   max_context=rope_context(parameters, shape.max_context))
+
+
 def requested_rope_scaling(text: str) -> dict:
     """`--rope-scaling yarn:FACTOR` (llama.cpp's `--rope-scaling yarn --rope-scale FACTOR`) as rope
     parameters; the original context is the model's own (loading.load fills it in)."""

@@ -29,7 +29,7 @@ from draftwise.models.kernels import native_kernels
 from draftwise.models.linear import (BlockWeight, WeightFormat, check_activations, check_quantize,
                                      default_activations, use_activations)
 from draftwise.models.llama import (SUPPORTED_ARCHITECTURES, DecoderShape, LlamaModel, requested_rope_scaling,
-                                     rope_attention_factor, rope_context, rope_divisors)
+                                     with_rope_scaling)
 from draftwise.models.memory import keep_freed_memory
 
 # --dtype: how the native decoder stores weights (activations: --activations, models/linear.py).
@@ -215,9 +215,7 @@ def gguf_rope_scaling(shape: DecoderShape, path: Path, spec: str) -> DecoderShap
         # llama.cpp's YaRN counts the original context as the file's own where no key says otherwise
         parameters = ({"original_max_position_embeddings": shape.max_context, **_llama_cpp_yarn(scaling)}
                       if scaling["rope_type"] == "yarn" else scaling)
-        return replace(shape, rope_factors=rope_divisors(parameters, shape.head_dim, shape.rope_theta),
-                       rope_attention_factor=rope_attention_factor(parameters),
-                       max_context=rope_context(parameters, shape.max_context))
+        return with_rope_scaling(shape, parameters)
     except (KeyError, ModelLoadError) as error:
         raise ModelLoadError(f"{spec}: its rope scaling {scaling} cannot be applied: {error}") from None
 
@@ -248,10 +246,7 @@ def requested_scaling(shape: DecoderShape, parameters: dict, spec: str) -> Decod
     """shape with --rope-scaling's YaRN over its own context, where it has no scaling already."""
     if shape.rope_factors:
         raise ConfigError(f"{spec} already carries rope scaling (its config or file sets it): drop --rope-scaling.")
-    parameters = {**parameters, "original_max_position_embeddings": shape.max_context}
-    return replace(shape, rope_factors=rope_divisors(parameters, shape.head_dim, shape.rope_theta),
-                   rope_attention_factor=rope_attention_factor(parameters),
-                   max_context=rope_context(parameters, shape.max_context))
+    return with_rope_scaling(shape, {**parameters, "original_max_position_embeddings": shape.max_context})
 
 
 def rope_scaled(shape: DecoderShape, divisors: torch.Tensor, spec: str) -> DecoderShape:
