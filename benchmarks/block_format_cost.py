@@ -1,9 +1,11 @@
-"""One matrix's product in Q2_K, Q3_K, Q4_K, Q5_K, IQ4_XS, IQ4_NL and float32 weights, ms (the
-minimum of --rounds products) for 1 / 4 / 9 / 16 / 64 rows of x, per activation setting: what a
-Q2_K, Q3_K_M, Q5_K_M or IQ4_XS file's matrices cost against its Q4_K_M sibling's and against the
-float32 copy they were dequantised into before they ran as blocks. The matrix is one of
-Qwen2.5-Coder-1.5B's Q4_K tensors, its values re-quantised (tests/q2k.py, q3k.py, q5k.py, iq4.py),
-so all seven hold nearly the same weights (the 2- and 3-bit ones less near).
+"""One matrix's product in Q2_K, Q3_K, Q4_K, Q5_K, IQ4_XS, IQ4_NL, IQ3_S, IQ2_XS and float32
+weights, ms (the minimum of --rounds products) for 1 / 4 / 9 / 16 / 64 rows of x, per activation
+setting: what a Q2_K, Q3_K_M, Q5_K_M, IQ4_XS, IQ3_M or IQ2_XS file's matrices cost against its
+Q4_K_M sibling's and against the float32 copy they were dequantised into before they ran as blocks.
+The matrix is one of Qwen2.5-Coder-1.5B's Q4_K tensors, its values re-quantised (tests/q2k.py,
+q3k.py, q5k.py, iq4.py), so those hold nearly the same weights (the 2- and 3-bit ones less near);
+the lattice formats (IQ3_S, IQ2_XS) hold random lattice points at its scale (tests/lattice.py:
+nothing here writes them), which decode at the same cost as a real file's.
 
     python benchmarks/block_format_cost.py --tensor blk.0.ffn_gate.weight --activations float32,amx
 
@@ -27,6 +29,7 @@ from draftwise.models.gguf_index import read_index  # noqa: E402
 from draftwise.models.kernels import describe_machine, machine, native_kernels  # noqa: E402
 from draftwise.models.linear import INT8_FORMATS, INT16_FORMATS, BlockWeight, WeightFormat  # noqa: E402
 from tests.iq4 import quantize_iq4_nl, quantize_iq4_xs  # noqa: E402
+from tests.lattice import random_blocks_like  # noqa: E402
 from tests.q2k import quantize_q2_k  # noqa: E402
 from tests.q3k import quantize_q3_k  # noqa: E402
 from tests.q5k import quantize_q5_k  # noqa: E402
@@ -55,6 +58,8 @@ def main() -> None:
                "Q5_K": BlockWeight(torch.from_numpy(quantize_q5_k(values)), WeightFormat.Q5_K, columns),
                "IQ4_XS": BlockWeight(torch.from_numpy(quantize_iq4_xs(values)), WeightFormat.IQ4_XS, columns),
                "IQ4_NL": BlockWeight(torch.from_numpy(quantize_iq4_nl(values)), WeightFormat.IQ4_NL, columns),
+               **{format.name: BlockWeight(torch.from_numpy(random_blocks_like(values, format, np.random.default_rng(0))),
+                                           format, columns) for format in (WeightFormat.IQ3_S, WeightFormat.IQ2_XS)},
                "float32": BlockWeight.from_float(torch.from_numpy(values), WeightFormat.F32)}
     print(f"{args.tensor}: {rows} x {columns}, {args.threads} threads, on {describe_machine(machine())}")
     for activations in args.activations.split(","):
