@@ -127,6 +127,27 @@ inline void signed_points(v8 scale, const float* first, const float* second, uin
 #endif
 }
 
+// 16 values, two groups of 8 under one scale: the 4-wide codebook rows q0..q3 in order (an 8-wide
+// row is two of them), `first`'s sign bits for values 0-7 and `second`'s for 8-15. With AVX-512,
+// one register: the signs a mask that flips the sign bit (an exact negation, -0 for +0 as a
+// multiply by -1 gives), a quarter fewer instructions than two groups of 8.
+inline void signed_points16(float scale, const float* q0, const float* q1, const float* q2, const float* q3,
+                            uint8_t first, uint8_t second, float* out) {
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+  __m512 points = _mm512_castps128_ps512(_mm_loadu_ps(q0));
+  points = _mm512_insertf32x4(points, _mm_loadu_ps(q1), 1);
+  points = _mm512_insertf32x4(points, _mm_loadu_ps(q2), 2);
+  points = _mm512_insertf32x4(points, _mm_loadu_ps(q3), 3);
+  const __m512 values = _mm512_mul_ps(_mm512_set1_ps(scale), points);
+  const __mmask16 negative = __mmask16(first | second << 8);
+  _mm512_storeu_ps(out, _mm512_mask_xor_ps(values, negative, values, _mm512_set1_ps(-0.0f)));
+#else
+  const v8 broadcast = broadcast8(scale);
+  signed_points(broadcast, q0, q1, first, out);
+  signed_points(broadcast, q2, q3, second, out + 8);
+#endif
+}
+
 // IQ2_XXS: 8 groups of 32: two uint32s, the first four grid indices (a byte each), the second
 // four 7-bit sign indices and a 4-bit scale; db = d * (0.5 + scale) * 0.25.
 inline void iq2_xxs(const uint8_t* block, const float* grid, const uint8_t* ksigns, float* out) {
@@ -134,9 +155,12 @@ inline void iq2_xxs(const uint8_t* block, const float* grid, const uint8_t* ksig
   for (int g = 0; g < 8; ++g) {
     const uint8_t* indices = block + 2 + 8 * g;
     const uint32_t aux = u32(indices + 4);
-    const v8 db = broadcast8(d * (0.5f + float(aux >> 28)) * 0.25f);
-    for (int l = 0; l < 4; ++l)
-      signed_points(db, grid + 8 * indices[l], ksigns[(aux >> (7 * l)) & 127], out + 32 * g + 8 * l);
+    const float db = d * (0.5f + float(aux >> 28)) * 0.25f;
+    for (int l = 0; l < 4; l += 2) {
+      const float *first = grid + 8 * indices[l], *second = grid + 8 * indices[l + 1];
+      signed_points16(db, first, first + 4, second, second + 4, ksigns[(aux >> (7 * l)) & 127],
+                      ksigns[(aux >> (7 * l + 7)) & 127], out + 32 * g + 8 * l);
+    }
   }
 }
 
@@ -146,11 +170,10 @@ inline void iq2_xs(const uint8_t* block, const float* grid, const uint8_t* ksign
   const float d = half_value(block);
   const uint8_t* scales = block + 66;
   for (int s = 0; s < 16; ++s) {
-    const v8 db = broadcast8(d * (0.5f + float((scales[s / 2] >> (4 * (s % 2))) & 15)) * 0.25f);
-    for (int h = 0; h < 2; ++h) {
-      const uint16_t q = u16(block + 2 + 2 * (2 * s + h));
-      signed_points(db, grid + 8 * (q & 511), ksigns[q >> 9], out + 16 * s + 8 * h);
-    }
+    const float db = d * (0.5f + float((scales[s / 2] >> (4 * (s % 2))) & 15)) * 0.25f;
+    const uint16_t q0 = u16(block + 4 * s + 2), q1 = u16(block + 4 * s + 4);
+    const float *first = grid + 8 * (q0 & 511), *second = grid + 8 * (q1 & 511);
+    signed_points16(db, first, first + 4, second, second + 4, ksigns[q0 >> 9], ksigns[q1 >> 9], out + 16 * s);
   }
 }
 
@@ -160,12 +183,11 @@ inline void iq2_s(const uint8_t* block, const float* grid, float* out) {
   const float d = half_value(block);
   const uint8_t *low = block + 2, *signs = block + 34, *high = block + 66, *scales = block + 74;
   for (int s = 0; s < 16; ++s) {
-    const v8 db = broadcast8(d * (0.5f + float((scales[s / 2] >> (4 * (s % 2))) & 15)) * 0.25f);
-    for (int h = 0; h < 2; ++h) {
-      const int i = 2 * s + h;
-      const int index = low[i] | ((high[i / 4] >> (2 * (i % 4))) & 3) << 8;
-      signed_points(db, grid + 8 * index, signs[i], out + 8 * i);
-    }
+    const float db = d * (0.5f + float((scales[s / 2] >> (4 * (s % 2))) & 15)) * 0.25f;
+    const int i = 2 * s;  // indices i and i + 1: the same byte of top bits, bits 2 (i % 4) on
+    const float* first = grid + 8 * (low[i] | ((high[i / 4] >> (2 * (i % 4))) & 3) << 8);
+    const float* second = grid + 8 * (low[i + 1] | ((high[i / 4] >> (2 * (i % 4) + 2)) & 3) << 8);
+    signed_points16(db, first, first + 4, second, second + 4, signs[i], signs[i + 1], out + 8 * i);
   }
 }
 
@@ -176,11 +198,12 @@ inline void iq3_xxs(const uint8_t* block, const float* grid, const uint8_t* ksig
   const uint8_t* indices = block + 2;
   for (int g = 0; g < 8; ++g) {
     const uint32_t aux = u32(block + 66 + 4 * g);
-    const v8 db = broadcast8(d * (0.5f + float(aux >> 28)) * 0.5f);
-    for (int l = 0; l < 4; ++l) {
-      signed_points(db, grid + 4 * indices[8 * g + 2 * l], grid + 4 * indices[8 * g + 2 * l + 1],
-                    ksigns[(aux >> (7 * l)) & 127], out + 32 * g + 8 * l);
-    }
+    const float db = d * (0.5f + float(aux >> 28)) * 0.5f;
+    const uint8_t* group = indices + 8 * g;
+    for (int l = 0; l < 4; l += 2)
+      signed_points16(db, grid + 4 * group[2 * l], grid + 4 * group[2 * l + 1], grid + 4 * group[2 * l + 2],
+                      grid + 4 * group[2 * l + 3], ksigns[(aux >> (7 * l)) & 127], ksigns[(aux >> (7 * l + 7)) & 127],
+                      out + 32 * g + 8 * l);
   }
 }
 
@@ -190,13 +213,13 @@ inline void iq3_s(const uint8_t* block, const float* grid, float* out) {
   const float d = half_value(block);
   const uint8_t *low = block + 2, *high = block + 66, *signs = block + 74, *scales = block + 106;
   for (int g = 0; g < 8; ++g) {
-    const v8 db = broadcast8(d * float(1 + 2 * ((scales[g / 2] >> (4 * (g % 2))) & 15)));
+    const float db = d * float(1 + 2 * ((scales[g / 2] >> (4 * (g % 2))) & 15));
     const unsigned top = high[g];  // the ninth bits of the group's 8 indices, bit k for index 8g + k
     const uint8_t* group = low + 8 * g;
-    for (int l = 0; l < 4; ++l) {
-      signed_points(db, grid + 4 * (group[2 * l] | (top << (8 - 2 * l) & 256)),
-                    grid + 4 * (group[2 * l + 1] | (top << (7 - 2 * l) & 256)), signs[4 * g + l], out + 32 * g + 8 * l);
-    }
+    auto row = [&](int k) { return grid + 4 * (group[k] | (top << (8 - k) & 256)); };  // index 8g + k's row
+    for (int l = 0; l < 4; l += 2)
+      signed_points16(db, row(2 * l), row(2 * l + 1), row(2 * l + 2), row(2 * l + 3), signs[4 * g + l],
+                      signs[4 * g + l + 1], out + 32 * g + 8 * l);
   }
 }
 
