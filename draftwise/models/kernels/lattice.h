@@ -88,6 +88,9 @@ inline uint32_t u32(const uint8_t* p) {
   return v;
 }
 
+// The i-th 4-bit field of bytes, low nibble first (sub-block scales, IQ1_M's index tops).
+inline int nibble(const uint8_t* bytes, int i) { return (bytes[i / 2] >> (4 * (i % 2))) & 15; }
+
 // Each byte of sign bits as 8 factors, +1 or -1 (bit j: value j): a group's 8 values are then one
 // vector multiply of its codebook row, its scale and its signs' table row (a select per value,
 // scalar, made a Qwen2.5-Coder-1.5B IQ3_M token take 2 s; 0.15 s now).
@@ -100,26 +103,17 @@ struct SignTable {
 };
 inline const SignTable kSignTable;
 
-// 8 values: (scale * grid value) * sign, the grid values the 8 of `point` (the 8-wide codebooks)
-// or 4 of `first` and 4 of `second` (the 4-wide ones), the signs bit j of `signs` for value j.
-// scale: the group's scale in every lane (broadcast once a group).
-inline void signed_points(v8 scale, v8 point, uint8_t signs, float* out) {
+// 8 values: (scale * grid value) * sign, the grid values 4 of `first` and 4 of `second` (a
+// 4-wide codebook's two rows, or an 8-wide row's halves), the signs bit j of `signs` for value j;
+// scale: the group's scale in every lane.
+inline void signed_points(v8 scale, const float* first, const float* second, uint8_t signs, float* out) {
+#if defined(__AVX__)
+  // one register from two 16-byte loads (two 16-byte stores read back as 32 bytes stall the load)
+  const v8 point = v8(_mm256_set_m128(_mm_loadu_ps(second), _mm_loadu_ps(first)));
   v8 sign;
   std::memcpy(&sign, kSignTable.values[signs], 32);
   const v8 value = scale * point * sign;
   std::memcpy(out, &value, 32);
-}
-
-inline void signed_points(v8 scale, const float* point, uint8_t signs, float* out) {
-  v8 values;
-  std::memcpy(&values, point, 32);
-  signed_points(scale, values, signs, out);
-}
-
-inline void signed_points(v8 scale, const float* first, const float* second, uint8_t signs, float* out) {
-#if defined(__AVX__)
-  // one register from two 16-byte loads (two 16-byte stores read back as 32 bytes stall the load)
-  signed_points(scale, v8(_mm256_set_m128(_mm_loadu_ps(second), _mm_loadu_ps(first))), signs, out);
 #else
   const float* sign = kSignTable.values[signs];
   for (int j = 0; j < 4; ++j) out[j] = scale[0] * first[j] * sign[j];
@@ -170,7 +164,7 @@ inline void iq2_xs(const uint8_t* block, const float* grid, const uint8_t* ksign
   const float d = half_value(block);
   const uint8_t* scales = block + 66;
   for (int s = 0; s < 16; ++s) {
-    const float db = d * (0.5f + float((scales[s / 2] >> (4 * (s % 2))) & 15)) * 0.25f;
+    const float db = d * (0.5f + float(nibble(scales, s))) * 0.25f;
     const uint16_t q0 = u16(block + 4 * s + 2), q1 = u16(block + 4 * s + 4);
     const float *first = grid + 8 * (q0 & 511), *second = grid + 8 * (q1 & 511);
     signed_points16(db, first, first + 4, second, second + 4, ksigns[q0 >> 9], ksigns[q1 >> 9], out + 16 * s);
@@ -183,7 +177,7 @@ inline void iq2_s(const uint8_t* block, const float* grid, float* out) {
   const float d = half_value(block);
   const uint8_t *low = block + 2, *signs = block + 34, *high = block + 66, *scales = block + 74;
   for (int s = 0; s < 16; ++s) {
-    const float db = d * (0.5f + float((scales[s / 2] >> (4 * (s % 2))) & 15)) * 0.25f;
+    const float db = d * (0.5f + float(nibble(scales, s))) * 0.25f;
     const int i = 2 * s;  // indices i and i + 1: the same byte of top bits, bits 2 (i % 4) on
     const float* first = grid + 8 * (low[i] | ((high[i / 4] >> (2 * (i % 4))) & 3) << 8);
     const float* second = grid + 8 * (low[i + 1] | ((high[i / 4] >> (2 * (i % 4) + 2)) & 3) << 8);
@@ -213,7 +207,7 @@ inline void iq3_s(const uint8_t* block, const float* grid, float* out) {
   const float d = half_value(block);
   const uint8_t *low = block + 2, *high = block + 66, *signs = block + 74, *scales = block + 106;
   for (int g = 0; g < 8; ++g) {
-    const float db = d * float(1 + 2 * ((scales[g / 2] >> (4 * (g % 2))) & 15));
+    const float db = d * float(1 + 2 * nibble(scales, g));
     const unsigned top = high[g];  // the ninth bits of the group's 8 indices, bit k for index 8g + k
     const uint8_t* group = low + 8 * g;
     auto row = [&](int k) { return grid + 4 * (group[k] | (top << (8 - k) & 256)); };  // index 8g + k's row
@@ -260,9 +254,9 @@ inline void iq1_m(const uint8_t* block, const float* grid, float* out) {
     const v8 dl = broadcast8(d * float(2 * ((s[h / 4] >> (3 * (h % 4))) & 7) + 1));
     for (int p = 0; p < 2; ++p) {
       const int i = 2 * h + p;
-      const uint8_t nibble = (high[h] >> (4 * p)) & 15;  // index i's: byte i / 2 = h, nibble p
-      const v8 delta = broadcast8(nibble & 8 ? -IQ1_DELTA : IQ1_DELTA);
-      shifted_points(dl, grid + 8 * (low[i] | (nibble & 7) << 8), delta, out + 8 * i);
+      const int top = nibble(high, i);  // index i's three top bits and its shift's sign
+      const v8 delta = broadcast8(top & 8 ? -IQ1_DELTA : IQ1_DELTA);
+      shifted_points(dl, grid + 8 * (low[i] | (top & 7) << 8), delta, out + 8 * i);
     }
   }
 }
@@ -273,9 +267,10 @@ inline void iq1_m(const uint8_t* block, const float* grid, float* out) {
 inline void dequantize_lattice_row(int64_t format, const uint8_t* row, float* out, int64_t K) {
   const LatticeTables& tables = lattice_tables();
   const float* grid = tables.grid[format].data();
-  TORCH_CHECK(!tables.grid[format].empty() && (tables.have_signs || format == IQ2_S || format == IQ3_S ||
-                                                format == IQ1_S || format == IQ1_M),
-              say("draftwise kernels: the codebook of weight format ", format, " was not given (set_lattice_grid)"));
+  const bool reads_ksigns = format == IQ2_XXS || format == IQ2_XS || format == IQ3_XXS;
+  TORCH_CHECK(!tables.grid[format].empty() && (tables.have_signs || !reads_ksigns),
+              say("draftwise kernels: the codebook or sign table of weight format ", format,
+                  " was not given (set_lattice_grid / set_lattice_signs)"));
   const int64_t bytes = layout(format).bytes;
   for (int64_t b = 0; b < K / 256; ++b, row += bytes, out += 256) {
     prefetch_ahead(row, bytes);  // the rows after this one: a matrix's rows lie one after another
