@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+from draftwise.batch import BatchError
 from draftwise.config import SamplingParams, SpecConfig
 from draftwise.drafters.base import Draft, Drafter
 from draftwise.engine import Engine, GenerationResult, StreamUpdate
@@ -94,5 +95,5 @@ def engine_for(spec: SpecConfig, target, drafter) -> Engine:
     return Engine(target, drafter, spec.max_draft_tokens, policy)
 
 
-__all__ = ["DEFAULT_MODEL", "Draft", "Drafter", "DraftwiseError", "Engine", "GenerationResult", "PrefixCache", "SamplingParams", "SpecConfig",
+__all__ = ["BatchError", "DEFAULT_MODEL", "Draft", "Drafter", "DraftwiseError", "Engine", "GenerationResult", "PrefixCache", "SamplingParams", "SpecConfig",
            "StreamUpdate", "TokenLogprob", "load"]

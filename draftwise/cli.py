@@ -1,4 +1,4 @@
-"""Command line: `draftwise generate`, `draftwise chat`, `draftwise serve`, `draftwise bench`, `draftwise train`, `draftwise models list|fetch`.
+"""Command line: `draftwise generate`, `draftwise chat`, `draftwise serve`, `draftwise batch`, `draftwise bench`, `draftwise train`, `draftwise models list|fetch`.
 
 Flags map one-to-one to SamplingParams / SpecConfig fields, in kebab-case.
 """
@@ -240,6 +240,70 @@ def _serve(args) -> int:
                               request_timeout_s=args.request_timeout, default_max_tokens=args.max_tokens_default,
                               max_tokens_limit=args.max_tokens_limit, sampling_mode=args.sampling_mode)
     serve(engine, args.host, args.port, args.max_batch, args.max_queue, args.prefill_chunk, settings)
+    return 0
+
+
+def _add_batch(subparsers) -> None:
+    from draftwise.scheduler import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_CHUNK
+
+    cmd = subparsers.add_parser(
+        "batch", help="answer an OpenAI Batch API file (JSONL) on this machine, all requests in one batch",
+        description="Each line of INPUT is an OpenAI batch request ({\"custom_id\", \"method\": \"POST\", \"url\": "
+                    "\"/v1/chat/completions\" or \"/v1/completions\", \"body\": {...}}) or a bare body ({\"messages\": "
+                    "...} or {\"prompt\": ...}). They are answered as `draftwise serve` answers them, decoding together "
+                    "in one continuous batch, and each answer is appended to --out as it finishes, in OpenAI's batch "
+                    "output format. Run the same command again after an interruption: answered requests are skipped.")
+    cmd.add_argument("input", type=Path, help="the requests, one JSON object a line")
+    cmd.add_argument("--out", type=Path, required=True, help="the answers, one JSON line each (appended; a rerun "
+                                                             "keeps the answered ones and answers the rest)")
+    _add_engine_flags(cmd)
+    cmd.add_argument("--max-batch", type=int, help="most requests decoded together (default: from the forward costs "
+                                                   "measured at start-up, as `draftwise serve`)")
+    cmd.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
+                     help=f"prompt tokens a request prefills per step while others decode (default: {DEFAULT_PREFILL_CHUNK})")
+    cmd.add_argument("--max-tokens-default", type=int, default=DEFAULT_MAX_TOKENS,
+                     help=f"output limit of a request that sets none (default: {DEFAULT_MAX_TOKENS})")
+    cmd.add_argument("--sampling-mode", default="coupled", choices=["rejection", "coupled"],
+                     help="for requests that set no sampling_mode (default: coupled: a seeded request's text "
+                          "never depends on the rest of the batch)")
+    cmd.add_argument("--threads", type=int, help="CPU threads (default: PyTorch's, one per core)")
+    cmd.add_argument("--quiet", action="store_true", help="no progress bars")
+    _add_prefix_cache_flag(cmd)
+    cmd.set_defaults(handler=_batch)
+
+
+def _batch(args) -> int:
+    from draftwise.errors import ConfigError
+
+    try:
+        from draftwise.server import ServerSettings, choose_max_batch
+        from draftwise.server.batch_file import (BatchInterrupted, earlier_answers, print_summary, read_requests,
+                                                 run_batch)
+    except ImportError as error:
+        raise ConfigError(f"`draftwise batch` runs the server's routes and needs the server extras ({error.name} is "
+                          "missing): pip install -e '.[server]'") from None
+    for flag in ("prefill_chunk", "max_tokens_default"):
+        if getattr(args, flag) < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} {getattr(args, flag)} is invalid: give a positive number.")
+    if args.max_batch is not None and args.max_batch < 1:
+        raise ConfigError(f"--max-batch {args.max_batch} is invalid: give at least 1.")
+    if args.out.resolve() == args.input.resolve():
+        raise ConfigError(f"--out {args.out} is the input file: write the answers to another file.")
+    if not args.out.resolve().parent.is_dir():
+        raise ConfigError(f"--out {args.out}: the folder {args.out.resolve().parent} does not exist; create it first.")
+    requests = read_requests(args.input)  # every line checked before the model loads
+    earlier_answers(args.out)  # and what --out already holds
+    prefix_cache = _prefix_cache(args.prefix_cache_mb)
+    engine = _load_engine(args)
+    engine.prefix_cache = prefix_cache
+    max_batch = args.max_batch or min(choose_max_batch(engine, verbose=not args.quiet), len(requests))
+    settings = ServerSettings(default_max_tokens=args.max_tokens_default, sampling_mode=args.sampling_mode)
+    try:
+        summary = run_batch(engine, requests, args.out, max_batch, settings, args.prefill_chunk, progress=not args.quiet)
+    except BatchInterrupted as interrupted:
+        print(f"draftwise batch: {interrupted}", file=sys.stderr)
+        return 130
+    print_summary(summary, args.out)
     return 0
 
 
@@ -676,6 +740,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(subparsers)
     _add_chat(subparsers)
     _add_serve(subparsers)
+    _add_batch(subparsers)
     _add_bench(subparsers)
     _add_train(subparsers)
     _add_models(subparsers)

@@ -173,6 +173,8 @@ def _propose_all(decoding: list[Sequence], forced: list[torch.Tensor | None]) ->
         if drafts[index] is None and hasattr(seq.drafter, "propose_together"):
             groups.setdefault((type(seq.drafter), id(seq.drafter.model)), []).append(index)
     for members in groups.values():
+        if len(members) == 1:  # alone: its own propose() below (what a subclass may override)
+            continue
         tic = time.perf_counter()
         try:
             together = type(decoding[members[0]].drafter).propose_together(

@@ -205,12 +205,12 @@ def test_bench_quick_runs_and_writes_its_reports(smollm2, capsys, tmp_path):
 
 
 def test_commands_other_than_serve_work_without_the_server_extras():
-    """FastAPI is an optional extra: without it every command but `serve` runs, and `serve` says
-    what to install (run in a child process whose `import fastapi` fails)."""
+    """FastAPI is an optional extra: without it every command but `serve` and `batch` runs, and
+    those two say what to install (run in a child process whose `import fastapi` fails)."""
     import subprocess
     import sys
 
-    # One child process runs the four commands in turn (an import of draftwise costs seconds).
+    # One child process runs the commands in turn (an import of draftwise costs seconds).
     code = ("import contextlib, io, json, sys\n"
             "sys.modules['fastapi'] = None\n"
             "from draftwise.cli import main\n"
@@ -224,7 +224,8 @@ def test_commands_other_than_serve_work_without_the_server_extras():
             "            status = exit.code\n"
             "    results.append([status, out.getvalue(), err.getvalue()])\n"
             "print(json.dumps(results))\n")
-    commands = [["generate", "--help"], ["train", "--help"], ["bench", "--help"], ["serve", "--port", "0"]]
+    commands = [["generate", "--help"], ["train", "--help"], ["bench", "--help"], ["serve", "--port", "0"],
+                ["batch", "requests.jsonl", "--out", "answers.jsonl"]]
     run = subprocess.run([sys.executable, "-c", code, json.dumps(commands)], capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0, run.stderr
@@ -232,9 +233,9 @@ def test_commands_other_than_serve_work_without_the_server_extras():
     for status, out, err in results[:3]:
         assert status == 0, err
         assert "usage: draftwise" in out
-    status, out, err = results[3]
-    assert status == 2
-    assert "server extras" in err and "Traceback" not in err
+    for status, out, err in results[3:]:
+        assert status == 2
+        assert "server extras" in err and "Traceback" not in err
 
 
 def test_train_refuses_a_step_of_no_sequences_before_any_work(tmp_path, capsys):

@@ -137,14 +137,54 @@ def test_the_compiled_head_layer_computes_what_its_modules_compute(smollm2, eagl
 
     def rows(drafter: EagleDrafter, mask: torch.Tensor) -> list[torch.Tensor]:
         drafter.begin(SamplingParams(), torch.Generator(), 64)
-        return [drafter._run(committed, torch.arange(100, 106), torch.arange(1, 7), 0, _CAUSAL),
-                drafter._run(level_1, torch.tensor([7, 8]), torch.tensor([7, 7]), 6, torch.eye(2, dtype=torch.bool)),
-                drafter._run(level_2, torch.tensor([9, 10]), torch.tensor([8, 8]), 8, mask)]
+        return [EagleDrafter._run([drafter], committed, torch.arange(100, 106), torch.arange(1, 7), [0], [6], [_CAUSAL]),
+                EagleDrafter._run([drafter], level_1, torch.tensor([7, 8]), torch.tensor([7, 7]), [6], [2],
+                                  [torch.eye(2, dtype=torch.bool)]),
+                EagleDrafter._run([drafter], level_2, torch.tensor([9, 10]), torch.tensor([8, 8]), [8], [2], [mask])]
 
     for got, expected in zip(rows(compiled, ancestors), rows(modules, ancestors)):
         assert (got - expected).abs().max() < 1e-4 * expected.abs().max()
     # The mask matters: rows that also see the other branch come out otherwise.
     assert (rows(compiled, ancestors)[2] - rows(compiled, torch.ones(2, 4, dtype=torch.bool).tril(2))[2]).abs().max() > 1e-3
+
+
+def test_forks_drafting_together_propose_the_trees_each_grows_alone(smollm2, eagle_head):
+    """A batch's requests draft together (EagleDrafter.propose_together: one head forward a level
+    for all of them, each request's rows in its own head cache). With the head's rows computed
+    alike at every row count (float32 activations, no AMX tiles past WIDE_ROWS), each request
+    gets, node for node, the tree it grows alone: the committed rows read, then every level."""
+    from draftwise.drafters.base import fork_drafter
+    from draftwise.models.linear import use_activations
+
+    drafter = EagleDrafter(eagle_head, smollm2.model)
+    use_activations(drafter.head, "float32")
+    drafter.wide = drafter.wide_layer = None
+    model = smollm2.model
+    contexts, hiddens = [], []
+    for prompt in ("Shopping list:\n1. eggs\n2. milk\n3.", "def fibonacci(n):\n    if n < 2:",
+                   "The capital of France is Paris. The capital of Italy is"):
+        ids = torch.tensor(smollm2.tokenizer.encode(prompt))
+        logits, hidden = model.forward(ids, torch.arange(ids.shape[0]), model.new_cache(64),
+                                       hidden_layers=drafter.hidden_layers)
+        contexts.append(torch.cat((ids, logits[-1].argmax().view(1))))  # the prompt and the target's first token
+        hiddens.append(hidden)
+
+    def forks() -> list[EagleDrafter]:
+        out = [fork_drafter(drafter) for _ in contexts]
+        for fork, hidden in zip(out, hiddens):
+            fork.begin(SamplingParams(), torch.Generator(), 128)
+            fork.observe(hidden)
+        return out
+
+    together = EagleDrafter.propose_together(forks(), contexts, [16, 0, 16])  # the one of budget 0 reads, drafts nothing
+    alone = [fork.propose(context, 16) for fork, context in zip(forks(), contexts)]
+    assert together[1].tokens.numel() == 0
+    for index in (0, 2):
+        assert torch.equal(together[index].tokens, alone[index].tokens)
+        assert torch.equal(together[index].parents, alone[index].parents)
+        assert torch.equal(together[index].scores, alone[index].scores)
+        assert together[index].tokens.numel() > 4  # a real tree
+    assert not torch.equal(together[0].tokens[:4], together[2].tokens[:4])  # each from its own context
 
 
 def test_no_shipped_head_for_a_target_names_the_training_command():

@@ -93,6 +93,26 @@ def test_the_own_drafter_example_runs_as_written():
     assert result.text == namespace["plain"].generate("Write a function that adds two numbers.", max_new_tokens=24).text
 
 
+def test_the_batch_examples_are_a_valid_batch_file_and_run_as_written(tmp_path):
+    """The JSON lines the README shows for `draftwise batch` are a file it reads (checked as it
+    checks every input before loading a model), and the generate_batch example runs."""
+    from draftwise.server.batch_file import read_requests
+
+    heading = "Many prompts at once: `draftwise batch` and `Engine.generate_batch`"
+    section = README.read_text().split("### " + heading, 1)[1].split("\n#", 1)[0]
+    (lines,) = re.findall(r"```json\n(.*?)```", section, re.S)
+    source = tmp_path / "requests.jsonl"
+    source.write_text(lines)
+    requests = read_requests(source)
+    assert [(r.custom_id, r.url) for r in requests] == [("q1", "/v1/chat/completions"), ("q2", "/v1/completions")]
+    (code,) = python_blocks(heading)
+    engine = draftwise.load("smollm2-135m", drafter="ngram", progress=False)
+    namespace, printed = run(code, engine=engine)
+    results = namespace["results"]
+    assert len(results) == 3 and all(result.text for result in results)
+    assert printed.strip() == str([result.text for result in results])
+
+
 def test_the_openai_client_example_runs_against_draftwise_serve():
     (code,) = python_blocks("Serving: `draftwise serve`")
     assert "http://127.0.0.1:8000/v1" in code  # the port the README's `draftwise serve` line listens on

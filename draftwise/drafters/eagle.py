@@ -181,29 +181,69 @@ class EagleDrafter:
     def rollback(self, num_valid: int) -> None:
         pass  # the cache keeps committed rows only; draft rows are overwritten by the next step
 
-    @torch.inference_mode()
-    def propose(self, context: torch.Tensor, num_draft_tokens: int) -> Draft:
-        if self.pending:
-            self._read_committed(context)
-        if num_draft_tokens == 0 or self.last_output is None:
-            return empty_draft()
-        return self._grow_tree(context, num_draft_tokens)
+    @property
+    def model(self) -> torch.nn.Module:
+        """The weights this drafter's forks share (draftwise.step groups requests by it and drafts
+        for them together: propose_together)."""
+        return self.head
 
-    def _run(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, start: int,
-             mask: torch.Tensor) -> torch.Tensor:
-        """Head rows written at cache slots start..start + R - 1 -> their outputs [R, hidden]. mask
-        [R, W] over the last W of slots 0..start + R - 1 (every slot before those is seen), or
-        empty: causal among the new rows."""
-        head = self.head
-        rows, end = tokens.shape[0], start + tokens.shape[0]
-        if self.layer is not None:
-            x = self._linear(head.input_proj, torch.cat((self._norm(self.embed(tokens), head.embed_norm),
-                                                         self._norm(features, head.feature_norm)), dim=-1))  # head.inputs
-            layer = self.wide_layer if self.wide_layer is not None and rows > WIDE_ROWS else self.layer
-            return layer.forward(x, self.cos[positions], self.sin[positions], [self.keys], [self.values],
-                                 [start], [0], [rows], [mask], [])[0]
-        x, q, k, v = head.project(features, self.embed(tokens), positions)
-        keys, values = self.keys[0, 0], self.values[0, 0]  # [kv_heads, capacity, head_dim]
+    def propose(self, context: torch.Tensor, num_draft_tokens: int) -> Draft:
+        return EagleDrafter.propose_together([self], [context], [num_draft_tokens])[0]
+
+    @staticmethod
+    @torch.inference_mode()
+    def propose_together(drafters: list["EagleDrafter"], contexts: list[torch.Tensor],
+                         budgets: list[int]) -> list[Draft]:
+        """Trees for several requests whose drafters are forks of one (a batch of the server or
+        of Engine.generate_batch): each head forward and each LM-head product of a level runs
+        ONCE for all their rows (one segment per request's head cache), where one request at a
+        time paid a forward per request per level. What is proposed never changes a request's
+        output (the target verifies every token losslessly), so a tree may differ from the one
+        the request would grow alone where the rows' count picks other activations (WIDE_ROWS);
+        propose() is this with one request."""
+        if drafters[0].layer is None and len(drafters) > 1:  # the head's PyTorch modules: one request at a time
+            return [EagleDrafter.propose_together([drafter], [context], [budget])[0]
+                    for drafter, context, budget in zip(drafters, contexts, budgets)]
+        reading = [index for index, drafter in enumerate(drafters) if drafter.pending]
+        if reading:
+            EagleDrafter._read_committed([drafters[i] for i in reading], [contexts[i] for i in reading])
+        drafts = [empty_draft() for _ in drafters]
+        growing = [index for index, (drafter, budget) in enumerate(zip(drafters, budgets))
+                   if budget and drafter.last_output is not None]
+        if growing:
+            trees = EagleDrafter._grow_trees([drafters[i] for i in growing], [contexts[i] for i in growing],
+                                             [budgets[i] for i in growing])
+            for index, draft in zip(growing, trees):
+                drafts[index] = draft
+        return drafts
+
+    @staticmethod
+    def _run(drafters: list["EagleDrafter"], features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+             starts: list[int], num_rows: list[int], masks: list[torch.Tensor]) -> torch.Tensor:
+        """Head rows -> their outputs [R, hidden]: drafter i's num_rows[i] rows (in order, after
+        drafter i - 1's) written at its cache slots starts[i].., each seeing the last W of its
+        slots 0..start + rows - 1 as masks[i] [rows, W] says (every slot before those is seen),
+        or, for an empty mask, causal among its new rows."""
+        first = drafters[0]
+        head = first.head
+        rows = tokens.shape[0]
+        if first.layer is not None:
+            x = first._linear(head.input_proj, torch.cat((first._norm(first.embed(tokens), head.embed_norm),
+                                                          first._norm(features, head.feature_norm)), dim=-1))  # head.inputs
+            layer = first.wide_layer if first.wide_layer is not None and rows > WIDE_ROWS else first.layer
+            if len(drafters) == 1:
+                cos, sin = first.cos[positions], first.sin[positions]
+            else:  # each request's rows from its own table (a position's angles, whatever the table's length)
+                spans = torch.tensor(num_rows).cumsum(0).tolist()
+                cos = torch.cat([d.cos[positions[end - n:end]] for d, n, end in zip(drafters, num_rows, spans)])
+                sin = torch.cat([d.sin[positions[end - n:end]] for d, n, end in zip(drafters, num_rows, spans)])
+            first_rows = [0] + torch.tensor(num_rows[:-1]).cumsum(0).tolist() if len(drafters) > 1 else [0]
+            return layer.forward(x, cos, sin, [d.keys for d in drafters], [d.values for d in drafters], starts,
+                                 first_rows, num_rows, masks, [])[0]
+        (mask,), (start,) = masks, starts  # the head's modules: one request (propose_together)
+        end = start + rows
+        x, q, k, v = head.project(features, first.embed(tokens), positions)
+        keys, values = first.keys[0, 0], first.values[0, 0]  # [kv_heads, capacity, head_dim]
         keys[:, start:end], values[:, start:end] = k.transpose(0, 1), v.transpose(0, 1)
         if not mask.numel():
             mask = torch.ones(rows, rows, dtype=torch.bool).tril()
@@ -234,64 +274,128 @@ class EagleDrafter:
         """head.logits: outputs [R, hidden] -> [R, draft vocab]."""
         return self._linear(self.head.lm_head, self._norm(outputs, self.head.norm))
 
-    def _read_committed(self, context: torch.Tensor) -> None:
-        """Row r reads the target's feature of position r and token r + 1, which are now committed."""
-        features = self._features(torch.cat(self.pending))  # [R, hidden]
-        self.pending = []
-        first, rows = self.num_rows, features.shape[0]
-        positions = torch.arange(first, first + rows)
-        outputs = self._run(features, context[positions + 1], positions + 1, first, _CAUSAL)
-        self.num_rows += rows
-        self.last_output = outputs[-1]
+    @staticmethod
+    def _read_committed(drafters: list["EagleDrafter"], contexts: list[torch.Tensor]) -> None:
+        """Row r of a request reads the target's feature of position r and token r + 1, which are
+        now committed: every request's new rows in one head forward."""
+        pending = [_joined(drafter.pending) for drafter in drafters]
+        features = drafters[0]._features(_joined(pending))  # [R, hidden], row-wise
+        tokens, positions, num_rows = [], [], []
+        for drafter, context, hidden in zip(drafters, contexts, pending):
+            drafter.pending = []
+            rows = hidden.shape[0]
+            read = torch.arange(drafter.num_rows, drafter.num_rows + rows) + 1
+            tokens.append(context[read])
+            positions.append(read)
+            num_rows.append(rows)
+        outputs = EagleDrafter._run(drafters, features, _joined(tokens), _joined(positions),
+                                    [drafter.num_rows for drafter in drafters], num_rows, [_CAUSAL] * len(drafters))
+        end = 0
+        for drafter, rows in zip(drafters, num_rows):
+            end += rows
+            drafter.num_rows += rows
+            drafter.last_output = outputs[end - 1]
 
-    def _grow_tree(self, context: torch.Tensor, num_nodes: int) -> Draft:
-        # The bookkeeping is Python lists and one tensor per level for each of the head's
-        # inputs: each PyTorch call costs a few microseconds, and a level's call count once cost
-        # as much as its arithmetic.
-        top_k, num_committed, to_target = self.top_k, context.shape[0], self.to_target
-        tokens: list[int] = []  # target ids
-        parents: list[int] = []
-        scores: list[float] = []  # log path probabilities
-        depths: list[int] = []
-        slot_of: dict[int, int] = {}  # expanded node -> its draft row, slot num_rows + that
-        ancestors: dict[int, list[int]] = {-1: []}
-        outputs = self.last_output[None]  # the frontier's outputs [F, hidden], the features its children read
-        frontier = [-1]  # the last committed token: its children come from the last committed row
-        for depth in range(1, self.depth + 1):
-            best = torch.log_softmax(self._logits(outputs), dim=-1).topk(top_k, dim=-1)  # [F, top_k]
-            children = []
-            for row, (parent, values, indices) in enumerate(zip(frontier, best.values.tolist(), best.indices.tolist())):
-                base = scores[parent] if parent >= 0 else 0.0
-                for value, token in zip(values, indices):
-                    node = len(tokens)
-                    tokens.append(to_target[token])
-                    parents.append(parent)
-                    scores.append(base + value)
-                    depths.append(depth)
-                    ancestors[node] = ancestors[parent] + [node]
-                    children.append((node, row))
-            if depth == self.depth:
+    @staticmethod
+    def _grow_trees(drafters: list["EagleDrafter"], contexts: list[torch.Tensor], budgets: list[int]) -> list[Draft]:
+        """Each request's tree, level by level: one LM-head product for every request's frontier,
+        then one head forward for every request's expanded nodes."""
+        trees = [_Tree(drafter, context) for drafter, context in zip(drafters, contexts)]
+        growing = trees
+        first = drafters[0]
+        for depth in range(1, first.depth + 1):
+            outputs = _joined([tree.outputs for tree in growing])
+            best = torch.log_softmax(first._logits(outputs), dim=-1).topk(first.top_k, dim=-1)  # [F, top_k]
+            values, indices, row = best.values.tolist(), best.indices.tolist(), 0
+            expanding = []
+            for tree in growing:
+                rows = len(tree.frontier)
+                if tree.add_children(depth, values[row:row + rows], indices[row:row + rows]) and depth < first.depth:
+                    expanding.append(tree)
+                row += rows
+            if not expanding:
                 break
-            # Expand the top_k new nodes by path probability: one head forward over all of them,
-            # written after the draft rows already in the cache, each seeing its ancestors' rows.
-            children.sort(key=lambda child: -scores[child[0]])
-            expanded = [(node, row) for node, row in children[:top_k] if scores[node] >= self.min_log_path]
-            if not expanded:  # no node sure enough to grow: the tree stops at this level
-                break
-            frontier = [node for node, _ in expanded]
-            placed = len(slot_of)  # draft rows in the cache, from slot num_rows on
-            for index, node in enumerate(frontier):
-                slot_of[node] = placed + index
-            mask = [[False] * (placed + len(frontier)) for _ in frontier]
-            for row, node in enumerate(frontier):
-                for ancestor in ancestors[node]:
-                    mask[row][slot_of[ancestor]] = True  # its ancestors' rows and its own
-            features = outputs[[row for _, row in expanded]]  # each node reads its parent's output
-            # Node at depth d holds the token of position num_committed - 1 + d.
-            positions = torch.full((len(frontier),), num_committed - 1 + depth)
-            draft_ids = torch.tensor([tokens[node] for node in frontier])
-            outputs = self._run(features, draft_ids, positions, self.num_rows + placed, torch.tensor(mask))
-        if self.lookup:
-            self.lookup.merge(context, tokens, parents, scores, depths)
+            # One head forward over every expanded node of every request, written after the draft
+            # rows already in its cache, each seeing its ancestors' rows.
+            steps = [tree.expand(depth) for tree in expanding]
+            outputs = EagleDrafter._run([tree.drafter for tree in expanding], _joined([step[0] for step in steps]),
+                                        _joined([step[1] for step in steps]), _joined([step[2] for step in steps]),
+                                        [step[3] for step in steps], [step[1].shape[0] for step in steps],
+                                        [step[4] for step in steps])
+            row = 0
+            for tree in expanding:
+                rows = len(tree.frontier)
+                tree.outputs = outputs[row:row + rows]
+                row += rows
+            growing = expanding
+        return [tree.draft(context, budget) for tree, context, budget in zip(trees, contexts, budgets)]
+
+
+def _joined(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat, without its copy for one tensor (one request's drafting, the common case)."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+
+class _Tree:
+    """One request's tree while it grows (EagleDrafter._grow_trees). The bookkeeping is Python
+    lists and one tensor per level for each of the head's inputs: each PyTorch call costs a few
+    microseconds, and a level's call count once cost as much as its arithmetic."""
+
+    def __init__(self, drafter: EagleDrafter, context: torch.Tensor) -> None:
+        self.drafter = drafter
+        self.num_committed = context.shape[0]
+        self.tokens: list[int] = []  # target ids
+        self.parents: list[int] = []
+        self.scores: list[float] = []  # log path probabilities
+        self.depths: list[int] = []
+        self.slot_of: dict[int, int] = {}  # expanded node -> its draft row, slot num_rows + that
+        self.ancestors: dict[int, list[int]] = {-1: []}
+        self.outputs = drafter.last_output[None]  # the frontier's outputs [F, hidden], the features its children read
+        self.frontier = [-1]  # the last committed token: its children come from the last committed row
+        self.children: list[tuple[int, int]] = []  # this level's new nodes: (node, its parent's frontier row)
+
+    def add_children(self, depth: int, values: list[list[float]], indices: list[list[int]]) -> bool:
+        """The top_k children of each frontier node (their log-probabilities and draft-vocabulary
+        ids, a row per frontier node); True if a child is sure enough to expand."""
+        to_target = self.drafter.to_target
+        self.children = []
+        for row, (parent, row_values, row_indices) in enumerate(zip(self.frontier, values, indices)):
+            base = self.scores[parent] if parent >= 0 else 0.0
+            for value, token in zip(row_values, row_indices):
+                node = len(self.tokens)
+                self.tokens.append(to_target[token])
+                self.parents.append(parent)
+                self.scores.append(base + value)
+                self.depths.append(depth)
+                self.ancestors[node] = self.ancestors[parent] + [node]
+                self.children.append((node, row))
+        # Expand the top_k new nodes by path probability.
+        self.children.sort(key=lambda child: -self.scores[child[0]])
+        self.children = [(node, row) for node, row in self.children[:self.drafter.top_k]
+                         if self.scores[node] >= self.drafter.min_log_path]
+        return bool(self.children)
+
+    def expand(self, depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor]:
+        """The head's inputs for this level's expanded nodes: features (each node reads its
+        parent's output), draft ids, positions, first cache slot, mask over the draft rows."""
+        expanded, self.children = self.children, []
+        self.frontier = [node for node, _ in expanded]
+        placed = len(self.slot_of)  # draft rows in the cache, from slot num_rows on
+        for index, node in enumerate(self.frontier):
+            self.slot_of[node] = placed + index
+        mask = [[False] * (placed + len(self.frontier)) for _ in self.frontier]
+        for row, node in enumerate(self.frontier):
+            for ancestor in self.ancestors[node]:
+                mask[row][self.slot_of[ancestor]] = True  # its ancestors' rows and its own
+        features = self.outputs[[row for _, row in expanded]]
+        # Node at depth d holds the token of position num_committed - 1 + d.
+        positions = torch.full((len(self.frontier),), self.num_committed - 1 + depth)
+        draft_ids = torch.tensor([self.tokens[node] for node in self.frontier])
+        return features, draft_ids, positions, self.drafter.num_rows + placed, torch.tensor(mask)
+
+    def draft(self, context: torch.Tensor, num_nodes: int) -> Draft:
+        lookup = self.drafter.lookup
+        if lookup:
+            lookup.merge(context, self.tokens, self.parents, self.scores, self.depths)
         # The best nodes overall; a node's ancestors score at least as well, so they come first.
-        return best_tree_draft(tokens, parents, scores, depths, num_nodes, key="eagle")
+        return best_tree_draft(self.tokens, self.parents, self.scores, self.depths, num_nodes, key="eagle")

@@ -19,7 +19,7 @@ def choose_max_batch(engine: Engine, verbose: bool = True) -> int:
     best = max_batch_from_costs(costs)
     if verbose:
         curve = ", ".join(f"{size}: {1000 * seconds:.0f} ms" for size, seconds in costs.items())
-        print(f"draftwise serve: one decoding forward per batch size: {curve} -> --max-batch {best}", file=sys.stderr)
+        print(f"draftwise: one decoding forward per batch size: {curve} -> --max-batch {best}", file=sys.stderr)
     return best
 
 
