@@ -183,7 +183,7 @@ def _load_engine(args):
 def _add_serve(subparsers) -> None:
     # Nothing from draftwise.server here: it needs the server extras (FastAPI), which every
     # other command does without; `_serve` says how to install them.
-    from draftwise.scheduler import DEFAULT_MAX_QUEUE, DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_CHUNK
+    from draftwise.scheduler import DEFAULT_MAX_QUEUE
 
     cmd = subparsers.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching",
                                 description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health and "
@@ -191,27 +191,34 @@ def _add_serve(subparsers) -> None:
     _add_engine_flags(cmd)
     cmd.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: 127.0.0.1, this machine only)")
     cmd.add_argument("--port", type=int, default=8000)
-    cmd.add_argument("--max-batch", type=int, help="most sequences decoded together (default: from the forward costs "
-                                                   "measured at start-up)")
     cmd.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                      help=f"requests waiting beyond the batch before 429 (default: {DEFAULT_MAX_QUEUE})")
-    cmd.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
-                     help=f"prompt tokens a request prefills per step while others decode (default: {DEFAULT_PREFILL_CHUNK})")
     cmd.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every /v1 request")
-    cmd.add_argument("--max-tokens-default", type=int, default=DEFAULT_MAX_TOKENS,
-                     help=f"output limit of a request that sets none (default: {DEFAULT_MAX_TOKENS})")
     cmd.add_argument("--max-tokens-limit", type=int, help="refuse requests asking for more output tokens than this "
                                                           "(default: whatever the context has room for)")
     cmd.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
                      help="a request still running after this long is dropped (408; default: 600)")
     cmd.add_argument("--max-body-bytes", type=int, default=1_000_000)
+    _add_batching_flags(cmd)
+    cmd.set_defaults(handler=_serve)
+
+
+def _add_batching_flags(cmd) -> None:
+    """The scheduler's flags, the same for `serve` and `batch`."""
+    from draftwise.scheduler import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_CHUNK
+
+    cmd.add_argument("--max-batch", type=int, help="most requests decoded together (default: from the forward costs "
+                                                   "measured at start-up)")
+    cmd.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
+                     help=f"prompt tokens a request prefills per step while others decode (default: {DEFAULT_PREFILL_CHUNK})")
+    cmd.add_argument("--max-tokens-default", type=int, default=DEFAULT_MAX_TOKENS,
+                     help=f"output limit of a request that sets none (default: {DEFAULT_MAX_TOKENS})")
     cmd.add_argument("--sampling-mode", default="coupled", choices=["rejection", "coupled"],
                      help="for requests that set no sampling_mode (default: coupled: a seeded request's text never "
                           "depends on what else is in the batch)")
     cmd.add_argument("--threads", type=int, help="CPU threads (default: PyTorch's, one per core)")
     cmd.add_argument("--quiet", action="store_true", help="no progress bars")
     _add_prefix_cache_flag(cmd)
-    cmd.set_defaults(handler=_serve)
 
 
 def _serve(args) -> int:
@@ -244,8 +251,6 @@ def _serve(args) -> int:
 
 
 def _add_batch(subparsers) -> None:
-    from draftwise.scheduler import DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_CHUNK
-
     cmd = subparsers.add_parser(
         "batch", help="answer an OpenAI Batch API file (JSONL) on this machine, all requests in one batch",
         description="Each line of INPUT is an OpenAI batch request ({\"custom_id\", \"method\": \"POST\", \"url\": "
@@ -257,18 +262,7 @@ def _add_batch(subparsers) -> None:
     cmd.add_argument("--out", type=Path, required=True, help="the answers, one JSON line each (appended; a rerun "
                                                              "keeps the answered ones and answers the rest)")
     _add_engine_flags(cmd)
-    cmd.add_argument("--max-batch", type=int, help="most requests decoded together (default: from the forward costs "
-                                                   "measured at start-up, as `draftwise serve`)")
-    cmd.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
-                     help=f"prompt tokens a request prefills per step while others decode (default: {DEFAULT_PREFILL_CHUNK})")
-    cmd.add_argument("--max-tokens-default", type=int, default=DEFAULT_MAX_TOKENS,
-                     help=f"output limit of a request that sets none (default: {DEFAULT_MAX_TOKENS})")
-    cmd.add_argument("--sampling-mode", default="coupled", choices=["rejection", "coupled"],
-                     help="for requests that set no sampling_mode (default: coupled: a seeded request's text "
-                          "never depends on the rest of the batch)")
-    cmd.add_argument("--threads", type=int, help="CPU threads (default: PyTorch's, one per core)")
-    cmd.add_argument("--quiet", action="store_true", help="no progress bars")
-    _add_prefix_cache_flag(cmd)
+    _add_batching_flags(cmd)
     cmd.set_defaults(handler=_batch)
 
 
