@@ -148,35 +148,46 @@ def test_the_compiled_head_layer_computes_what_its_modules_compute(smollm2, eagl
     assert (rows(compiled, ancestors)[2] - rows(compiled, torch.ones(2, 4, dtype=torch.bool).tril(2))[2]).abs().max() > 1e-3
 
 
-def test_forks_drafting_together_propose_the_trees_each_grows_alone(smollm2, eagle_head):
-    """A batch's requests draft together (EagleDrafter.propose_together: one head forward a level
-    for all of them, each request's rows in its own head cache). With the head's rows computed
-    alike at every row count (float32 activations, no AMX tiles past WIDE_ROWS), each request
-    gets, node for node, the tree it grows alone: the committed rows read, then every level."""
-    from draftwise.drafters.base import fork_drafter
-    from draftwise.models.linear import use_activations
-
-    drafter = EagleDrafter(eagle_head, smollm2.model)
-    use_activations(drafter.head, "float32")
-    drafter.wide = drafter.wide_layer = None
+def _contexts_and_hidden_states(smollm2, hidden_layers) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Three prompts, each with the target's first token after it, and the target's hidden
+    states of the prompt's rows (what a head has read when it first drafts)."""
     model = smollm2.model
     contexts, hiddens = [], []
     for prompt in ("Shopping list:\n1. eggs\n2. milk\n3.", "def fibonacci(n):\n    if n < 2:",
                    "The capital of France is Paris. The capital of Italy is"):
         ids = torch.tensor(smollm2.tokenizer.encode(prompt))
-        logits, hidden = model.forward(ids, torch.arange(ids.shape[0]), model.new_cache(64),
-                                       hidden_layers=drafter.hidden_layers)
-        contexts.append(torch.cat((ids, logits[-1].argmax().view(1))))  # the prompt and the target's first token
+        logits, hidden = model.forward(ids, torch.arange(ids.shape[0]), model.new_cache(64), hidden_layers=hidden_layers)
+        contexts.append(torch.cat((ids, logits[-1].argmax().view(1))))
         hiddens.append(hidden)
+    return contexts, hiddens
 
-    def forks() -> list[EagleDrafter]:
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_forks_drafting_together_propose_the_trees_each_grows_alone(smollm2, eagle_head, medusa_heads, kind):
+    """A batch's requests draft together (propose_together): EAGLE runs one head forward a level
+    for all of them, each request's rows in its own head cache; Medusa one pass of its heads over
+    every request's hidden state. With the heads' rows computed alike at every row count (EAGLE:
+    float32 activations, no AMX tiles past WIDE_ROWS), each request gets, node for node, the tree
+    it grows alone."""
+    from draftwise.drafters.base import fork_drafter
+    from draftwise.models.linear import use_activations
+
+    if kind == "eagle":
+        drafter = EagleDrafter(eagle_head, smollm2.model)
+        use_activations(drafter.head, "float32")
+        drafter.wide = drafter.wide_layer = None
+    else:
+        drafter = MedusaDrafter(medusa_heads, smollm2.model)
+    contexts, hiddens = _contexts_and_hidden_states(smollm2, drafter.hidden_layers)
+
+    def forks() -> list:
         out = [fork_drafter(drafter) for _ in contexts]
         for fork, hidden in zip(out, hiddens):
             fork.begin(SamplingParams(), torch.Generator(), 128)
             fork.observe(hidden)
         return out
 
-    together = EagleDrafter.propose_together(forks(), contexts, [16, 0, 16])  # the one of budget 0 reads, drafts nothing
+    together = type(drafter).propose_together(forks(), contexts, [16, 0, 16])  # the one of budget 0 drafts nothing
     alone = [fork.propose(context, 16) for fork, context in zip(forks(), contexts)]
     assert together[1].tokens.numel() == 0
     for index in (0, 2):

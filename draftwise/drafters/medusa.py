@@ -48,13 +48,38 @@ class MedusaDrafter:
     def rollback(self, num_valid: int) -> None:
         pass  # stateless between steps but for the last hidden state, which observe() replaces
 
-    @torch.inference_mode()
+    @property
+    def model(self) -> torch.nn.Module:
+        """The weights this drafter's forks share (draftwise.step groups requests by it and drafts
+        for them together: propose_together)."""
+        return self.heads
+
     def propose(self, context: torch.Tensor, num_draft_tokens: int) -> Draft:
-        if num_draft_tokens == 0 or self.last_hidden is None:
-            return empty_draft()
-        logprobs = torch.log_softmax(self.heads(self.last_hidden[None])[:, 0], dim=-1)  # [heads, draft vocab]
-        best = logprobs.topk(self.top_k, dim=-1)
-        candidates = list(zip(best.values.tolist(), best.indices.tolist()))  # per head: (values, ids)
+        return MedusaDrafter.propose_together([self], [context], [num_draft_tokens])[0]
+
+    @staticmethod
+    @torch.inference_mode()
+    def propose_together(drafters: list["MedusaDrafter"], contexts: list[torch.Tensor],
+                         budgets: list[int]) -> list[Draft]:
+        """Trees for several requests whose drafters are forks of one (a batch): one pass of the
+        heads over every request's last hidden state, so their matrices are read once for all.
+        The heads compute each row alike whatever rows are beside it, so each request's tree is
+        the one it grows alone; propose() is this with one request."""
+        drafts = [empty_draft() for _ in drafters]
+        ready = [index for index, drafter in enumerate(drafters) if budgets[index] and drafter.last_hidden is not None]
+        if not ready:
+            return drafts
+        hidden = torch.stack([drafters[index].last_hidden for index in ready])  # [R, features]
+        logprobs = torch.log_softmax(drafters[0].heads(hidden), dim=-1)  # [heads, R, draft vocab]
+        best = logprobs.topk(drafters[0].top_k, dim=-1)
+        values, ids = best.values.tolist(), best.indices.tolist()  # [heads][R][top_k]
+        for row, index in enumerate(ready):
+            candidates = [(values[head][row], ids[head][row]) for head in range(len(values))]
+            drafts[index] = drafters[index]._tree(contexts[index], candidates, budgets[index])
+        return drafts
+
+    def _tree(self, context: torch.Tensor, candidates: list[tuple[list[float], list[int]]], num_nodes: int) -> Draft:
+        """The tree from each head's (log-probabilities, draft ids) of its top_k candidates."""
         tokens: list[int] = []
         parents: list[int] = []
         scores: list[float] = []
@@ -73,4 +98,4 @@ class MedusaDrafter:
         if self.lookup:
             self.lookup.merge(context, tokens, parents, scores, depths)
         # The best nodes overall; a node's ancestors score at least as well (log-probabilities <= 0).
-        return best_tree_draft(tokens, parents, scores, depths, num_draft_tokens, key="medusa")
+        return best_tree_draft(tokens, parents, scores, depths, num_nodes, key="medusa")
