@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Sequence as SequenceOf
+from collections.abc import Callable, Sequence as SequenceOf
 
 import torch
 
@@ -56,13 +56,15 @@ def default_max_batch(model, num_prompts: int) -> int:
 
 
 def generate_batch(engine, prompts: SequenceOf, params: SamplingParams | SequenceOf[SamplingParams],
-                   max_batch: int | None = None, progress: bool = False) -> list:
+                   max_batch: int | None = None, progress: bool = False,
+                   on_result: Callable[[int, object], None] | None = None) -> list:
     """Engine.generate for every prompt, in one continuous batch: their GenerationResults in the
     prompts' order. params: one SamplingParams for all, or one per prompt. max_batch: the most
-    prompts decoded at once (None: from measured costs, default_max_batch). A prompt that cannot
-    be encoded raises before anything runs (its index in the message); a prompt that fails once
-    running (e.g. too long for the context) leaves the others to finish, then raises BatchError
-    with their results."""
+    prompts decoded at once (None: from measured costs, default_max_batch). on_result(index,
+    result): called as each prompt finishes, in the order they finish (to save a long job's
+    answers as they come). A prompt that cannot be encoded raises before anything runs (its
+    index in the message); a prompt that fails once running (e.g. too long for the context)
+    leaves the others to finish, then raises BatchError with their results."""
     from tqdm.auto import tqdm
 
     prompts = list(prompts)
@@ -98,6 +100,8 @@ def generate_batch(engine, prompts: SequenceOf, params: SamplingParams | Sequenc
             elif event.result is not None:
                 results[index] = event.result
                 num_tokens += len(event.result.token_ids)
+                if on_result is not None:
+                    on_result(index, event.result)
                 bar.set_postfix_str(f"{num_tokens / (time.perf_counter() - started):.1f} tok/s", refresh=False)
             else:
                 return

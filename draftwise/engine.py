@@ -8,7 +8,7 @@ speculative path share every line that could make their outputs differ.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -161,19 +161,22 @@ class Engine:
         raise AssertionError("stream() ended without a result")
 
     def generate_batch(self, prompts: list[Prompt], params: SamplingParams | list[SamplingParams] | None = None, *,
-                       max_batch: int | None = None, progress: bool = False, **sampling) -> list[GenerationResult]:
+                       max_batch: int | None = None, progress: bool = False,
+                       on_result: Callable[[int, GenerationResult], None] | None = None,
+                       **sampling) -> list[GenerationResult]:
         """Generate for many prompts in one continuous batch (draftwise.batch): their results in
         the prompts' order, each greedy one token for token generate's for that prompt alone.
         params: one SamplingParams for all (its fields also by name, as generate's) or a list, one
         per prompt; max_batch: the most prompts decoded at once (None: from this machine's
-        measured forward costs); progress: a progress bar on stderr."""
+        measured forward costs); progress: a progress bar on stderr; on_result(index, result):
+        called as each prompt finishes, to keep a long job's answers as they come."""
         from draftwise.batch import generate_batch
 
         if params is None or isinstance(params, SamplingParams):
             params = with_sampling(params, sampling)
         elif sampling:
             params = [with_sampling(each, sampling) for each in params]
-        return generate_batch(self, prompts, params, max_batch, progress)
+        return generate_batch(self, prompts, params, max_batch, progress, on_result)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None, **sampling) -> Iterator[StreamUpdate]:
         """Generate, yielding text deltas as they become final; the last update has the result.

@@ -33,8 +33,12 @@ def test_generate_batch_greedy_equals_plain_decoding_of_each_prompt_alone(engine
     # Output limits of 12-36 tokens: sequences finish at different steps, so with 4 slots the
     # later prompts join a batch whose others are mid-answer.
     params = [SamplingParams(max_new_tokens=12 + 8 * (index % 4)) for index in range(len(PROMPTS))]
-    results = engine.generate_batch(PROMPTS, params, max_batch=4)
+    finished = []  # on_result's calls: (index, result) as each prompt finishes
+    results = engine.generate_batch(PROMPTS, params, max_batch=4, on_result=lambda *pair: finished.append(pair))
     assert len(results) == len(PROMPTS)
+    assert sorted(index for index, _ in finished) == list(range(len(PROMPTS)))
+    assert all(results[index] is result for index, result in finished)
+    assert [index for index, _ in finished] != list(range(len(PROMPTS)))  # in the order they finished
     for prompt, each, result in zip(PROMPTS, params, results):
         assert result.token_ids == plain.generate(prompt, each).token_ids
         assert result.text and result.metrics.num_generated_tokens == len(result.token_ids)
