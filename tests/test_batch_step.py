@@ -126,12 +126,25 @@ def test_a_step_prefill_budget_makes_prompts_wait_their_turn_and_changes_no_outp
         assert result.token_ids == plain.generate(prompt, params).token_ids
 
 
-def test_greedy_eagle_trees_in_a_batch_equal_plain_greedy(smollm2, eagle_drafter):
+@pytest.fixture(scope="module")
+def medusa_drafter(smollm2):
+    from draftwise.drafters.medusa import MedusaDrafter
+    from draftwise.heads import head_for
+    from draftwise.heads.medusa import load_medusa
+
+    return MedusaDrafter(load_medusa(head_for("smollm2-135m", "medusa"), smollm2.model), smollm2.model)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_greedy_head_trees_in_a_batch_equal_plain_greedy(smollm2, eagle_drafter, medusa_drafter, kind):
+    """Forks of one head draft together (propose_together), requests joining at different steps:
+    every output equals plain greedy decoding alone."""
     from draftwise.draft_length import DraftLengthPolicy
 
-    engine = Engine(smollm2, eagle_drafter, 24, DraftLengthPolicy())
+    drafter = eagle_drafter if kind == "eagle" else medusa_drafter
+    engine = Engine(smollm2, drafter, 24, DraftLengthPolicy())
     plain = Engine(smollm2)
-    jobs = [(PROMPTS[i], SamplingParams(max_new_tokens=32), eagle_drafter, None) for i in (0, 3, 7, 9)]
+    jobs = [(PROMPTS[i], SamplingParams(max_new_tokens=32), drafter, None) for i in (0, 3, 7, 9)]
     together = _decode_together(engine, jobs, join_steps=[0, 1, 1, 4])
     for (prompt, params, _, _), result in zip(jobs, together):
         assert result.token_ids == plain.generate(prompt, params).token_ids
