@@ -28,7 +28,7 @@ def main(model: str, drafters: list[str], per_category: int, max_new_tokens: int
         engine = draftwise.load(model, drafter=name, progress=False)
         chat = bool(engine.tokenizer.chat_template)
         inputs = prompts if chat else [draftwise_text(prompt) for prompt in prompts]
-        limit = max_batch or default_max_batch(engine.target.model, len(inputs))
+        limit = max_batch or default_max_batch(engine, len(inputs))
         engine.generate(inputs[0], max_new_tokens=8)  # warm: the kernels' first calls, the policy's first costs
         seconds = {"one by one": 0.0, "batch": 0.0}
         tokens = forwards = mismatches = 0

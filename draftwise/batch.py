@@ -22,8 +22,7 @@ import torch
 
 from draftwise.config import SamplingParams
 from draftwise.errors import ConfigError, DraftwiseError, PromptError
-from draftwise.scheduler import (BATCH_SIZES, DEFAULT_PREFILL_CHUNK, Event, Request, Scheduler, max_batch_from_costs,
-                                 measure_batch_costs)
+from draftwise.scheduler import DEFAULT_PREFILL_CHUNK, Event, Request, Scheduler, choose_max_batch
 
 
 class BatchError(DraftwiseError):
@@ -39,19 +38,20 @@ class BatchError(DraftwiseError):
                          "are in .results.")
 
 
-# The measured batch limit of each model (scheduler.max_batch_from_costs), once per model per process.
+# The measured batch limit of each target model (scheduler.choose_max_batch), once per model per process.
 _MEASURED_LIMITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def default_max_batch(model, num_prompts: int) -> int:
+def default_max_batch(engine, num_prompts: int, verbose: bool = False) -> int:
     """The largest batch this machine's measured forward costs say still pays (as `draftwise
     serve` chooses its --max-batch), at most the number of prompts: measured once per model,
     0.1-2 s (SmolLM2 to Qwen2.5-Coder-1.5B)."""
     if num_prompts <= 1:
         return 1
+    model = engine.target.model
     limit = _MEASURED_LIMITS.get(model)
     if limit is None:
-        limit = _MEASURED_LIMITS[model] = max_batch_from_costs(measure_batch_costs(model, BATCH_SIZES))
+        limit = _MEASURED_LIMITS[model] = choose_max_batch(engine, verbose)
     return min(limit, num_prompts)
 
 
@@ -85,7 +85,7 @@ def generate_batch(engine, prompts: SequenceOf, params: SamplingParams | Sequenc
             raise PromptError(f"prompt {index} of the batch: {error}") from None
     if not prompts:
         return []
-    max_batch = max_batch or default_max_batch(engine.target.model, len(prompts))
+    max_batch = max_batch or default_max_batch(engine, len(prompts))
     results: list = [None] * len(prompts)
     errors: dict[int, Exception] = {}
     scheduler = Scheduler(engine, max_batch, max_queue=len(prompts), prefill_chunk=DEFAULT_PREFILL_CHUNK)

@@ -221,6 +221,19 @@ def _add_batching_flags(cmd) -> None:
     _add_prefix_cache_flag(cmd)
 
 
+def _check_counts(args, required: tuple[str, ...], optional: tuple[str, ...] = (), zero_ok: tuple[str, ...] = ()) -> None:
+    """Flags that count something, checked before any model loads: each of `required` at least 1
+    (0 allowed for those in zero_ok), each of `optional` at least 1 where given."""
+    from draftwise.errors import ConfigError
+
+    for flag in required:
+        if getattr(args, flag) < (0 if flag in zero_ok else 1):
+            raise ConfigError(f"--{flag.replace('_', '-')} {getattr(args, flag)} is invalid: give a positive number.")
+    for flag in optional:
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} {getattr(args, flag)} is invalid: give at least 1.")
+
+
 def _serve(args) -> int:
     from draftwise.errors import ConfigError
 
@@ -229,12 +242,8 @@ def _serve(args) -> int:
     except ImportError as error:
         raise ConfigError(f"`draftwise serve` needs the server extras ({error.name} is missing): "
                           "pip install -e '.[server]'") from None
-    for flag in ("port", "max_queue", "prefill_chunk", "max_tokens_default", "max_body_bytes"):
-        if getattr(args, flag) < (0 if flag == "max_queue" else 1):
-            raise ConfigError(f"--{flag.replace('_', '-')} {getattr(args, flag)} is invalid: give a positive number.")
-    for flag in ("max_batch", "max_tokens_limit"):
-        if getattr(args, flag) is not None and getattr(args, flag) < 1:
-            raise ConfigError(f"--{flag.replace('_', '-')} {getattr(args, flag)} is invalid: give at least 1.")
+    _check_counts(args, ("port", "max_queue", "prefill_chunk", "max_tokens_default", "max_body_bytes"),
+                  ("max_batch", "max_tokens_limit"), zero_ok=("max_queue",))
     if args.request_timeout <= 0:
         raise ConfigError(f"--request-timeout {args.request_timeout} is invalid: give a positive number of seconds.")
     if args.port > 65535:
@@ -270,17 +279,14 @@ def _batch(args) -> int:
     from draftwise.errors import ConfigError
 
     try:
-        from draftwise.server import ServerSettings, choose_max_batch
+        from draftwise.batch import default_max_batch
+        from draftwise.server import ServerSettings
         from draftwise.server.batch_file import (BatchInterrupted, earlier_answers, print_summary, read_requests,
                                                  run_batch)
     except ImportError as error:
         raise ConfigError(f"`draftwise batch` runs the server's routes and needs the server extras ({error.name} is "
                           "missing): pip install -e '.[server]'") from None
-    for flag in ("prefill_chunk", "max_tokens_default"):
-        if getattr(args, flag) < 1:
-            raise ConfigError(f"--{flag.replace('_', '-')} {getattr(args, flag)} is invalid: give a positive number.")
-    if args.max_batch is not None and args.max_batch < 1:
-        raise ConfigError(f"--max-batch {args.max_batch} is invalid: give at least 1.")
+    _check_counts(args, ("prefill_chunk", "max_tokens_default"), ("max_batch",))
     if args.out.resolve() == args.input.resolve():
         raise ConfigError(f"--out {args.out} is the input file: write the answers to another file.")
     if not args.out.resolve().parent.is_dir():
@@ -290,7 +296,7 @@ def _batch(args) -> int:
     prefix_cache = _prefix_cache(args.prefix_cache_mb)
     engine = _load_engine(args)
     engine.prefix_cache = prefix_cache
-    max_batch = args.max_batch or min(choose_max_batch(engine, verbose=not args.quiet), len(requests))
+    max_batch = args.max_batch or default_max_batch(engine, len(requests), verbose=not args.quiet)
     settings = ServerSettings(default_max_tokens=args.max_tokens_default, sampling_mode=args.sampling_mode)
     try:
         summary = run_batch(engine, requests, args.out, max_batch, settings, args.prefill_chunk, progress=not args.quiet)

@@ -20,6 +20,7 @@ callback; the scheduler never blocks on a client.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections import deque
@@ -231,6 +232,17 @@ def measure_batch_costs(model, sizes: tuple[int, ...] = BATCH_SIZES, repeats: in
                 cache.truncate(0)
         costs[size] = best
     return costs
+
+
+def choose_max_batch(engine: Engine, verbose: bool = True) -> int:
+    """The batch limit from this machine's measured forward costs (max_batch_from_costs), the
+    curve said on stderr where verbose: `draftwise serve`'s and `draftwise batch`'s default."""
+    costs = measure_batch_costs(engine.target.model)
+    best = max_batch_from_costs(costs)
+    if verbose:
+        curve = ", ".join(f"{size}: {1000 * seconds:.0f} ms" for size, seconds in costs.items())
+        print(f"draftwise: one decoding forward per batch size: {curve} -> --max-batch {best}", file=sys.stderr)
+    return best
 
 
 def max_batch_from_costs(costs: dict[int, float]) -> int:

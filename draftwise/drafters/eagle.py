@@ -18,6 +18,7 @@ masses), so sampling verifies them losslessly too (verify.verify_tree_rejection)
 from __future__ import annotations
 
 import math
+from itertools import accumulate
 
 import torch
 
@@ -231,13 +232,11 @@ class EagleDrafter:
             x = first._linear(head.input_proj, torch.cat((first._norm(first.embed(tokens), head.embed_norm),
                                                           first._norm(features, head.feature_norm)), dim=-1))  # head.inputs
             layer = first.wide_layer if first.wide_layer is not None and rows > WIDE_ROWS else first.layer
-            if len(drafters) == 1:
-                cos, sin = first.cos[positions], first.sin[positions]
-            else:  # each request's rows from its own table (a position's angles, whatever the table's length)
-                spans = torch.tensor(num_rows).cumsum(0).tolist()
-                cos = torch.cat([d.cos[positions[end - n:end]] for d, n, end in zip(drafters, num_rows, spans)])
-                sin = torch.cat([d.sin[positions[end - n:end]] for d, n, end in zip(drafters, num_rows, spans)])
-            first_rows = [0] + torch.tensor(num_rows[:-1]).cumsum(0).tolist() if len(drafters) > 1 else [0]
+            first_rows = [end - n for end, n in zip(accumulate(num_rows), num_rows)]
+            # each request's rows from its own table (a position's angles, whatever the table's length)
+            mine = [positions[row:row + n] for row, n in zip(first_rows, num_rows)]
+            cos = _joined([d.cos[p] for d, p in zip(drafters, mine)])
+            sin = _joined([d.sin[p] for d, p in zip(drafters, mine)])
             return layer.forward(x, cos, sin, [d.keys for d in drafters], [d.values for d in drafters], starts,
                                  first_rows, num_rows, masks, [])[0]
         (mask,), (start,) = masks, starts  # the head's modules: one request (propose_together)

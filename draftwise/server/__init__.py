@@ -9,18 +9,8 @@ import time
 
 from draftwise.engine import Engine
 from draftwise.errors import DraftwiseError
-from draftwise.scheduler import DEFAULT_MAX_QUEUE, DEFAULT_PREFILL_CHUNK, Scheduler, max_batch_from_costs, measure_batch_costs
+from draftwise.scheduler import DEFAULT_MAX_QUEUE, DEFAULT_PREFILL_CHUNK, Scheduler, choose_max_batch
 from draftwise.server.app import ServerSettings, create_app
-
-
-def choose_max_batch(engine: Engine, verbose: bool = True) -> int:
-    """The batch limit from this machine's measured forward costs (scheduler.max_batch_from_costs)."""
-    costs = measure_batch_costs(engine.target.model)
-    best = max_batch_from_costs(costs)
-    if verbose:
-        curve = ", ".join(f"{size}: {1000 * seconds:.0f} ms" for size, seconds in costs.items())
-        print(f"draftwise: one decoding forward per batch size: {curve} -> --max-batch {best}", file=sys.stderr)
-    return best
 
 
 def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, max_batch: int | None = None,

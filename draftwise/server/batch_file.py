@@ -50,12 +50,18 @@ class BatchRequest:
 class BatchSummary:
     num_requests: int = 0  # in the input
     num_skipped: int = 0  # answered by an earlier run
-    num_answered: int = 0  # status 200 this run
-    num_refused: int = 0  # another status this run (its error body is in the output)
     num_completion_tokens: int = 0
     num_target_forwards: int = 0
     seconds: float = 0.0
-    statuses: dict[int, int] = field(default_factory=dict)
+    statuses: dict[int, int] = field(default_factory=dict)  # this run's answers by HTTP status
+
+    @property
+    def num_answered(self) -> int:  # status 200 this run
+        return self.statuses.get(200, 0)
+
+    @property
+    def num_refused(self) -> int:  # another status this run (its error body is in the output)
+        return sum(count for status, count in self.statuses.items() if status != 200)
 
     def line(self) -> str:
         rate = self.num_completion_tokens / self.seconds if self.seconds else 0.0
@@ -198,12 +204,9 @@ def run_batch(engine, requests: list[BatchRequest], output: Path, max_batch: int
         sink.flush()
         summary.statuses[response.status_code] = summary.statuses.get(response.status_code, 0) + 1
         if response.status_code == 200:
-            summary.num_answered += 1
             usage = payload.get("usage") or {}
             summary.num_completion_tokens += usage.get("completion_tokens", 0)
             summary.num_target_forwards += (usage.get("speculative") or {}).get("target_forwards", 0)
-        else:
-            summary.num_refused += 1
         rate = summary.num_completion_tokens / (time.perf_counter() - started)
         bar.set_postfix_str(f"{rate:.1f} tok/s", refresh=False)
         bar.update(1)
