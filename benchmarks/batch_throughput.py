@@ -8,6 +8,8 @@ The bench suite's prompts (--per-category of each of its six categories), greedy
 each. For every drafter, rounds alternate which way runs first, so a machine that speeds up or
 slows down moves both; prints tokens/s each way (prefill included), their ratio, tokens per target
 forward, and how many batched answers differ from the one-by-one ones (greedy: must be 0).
+`--drafters history` starts each way with an empty history (rewound), so its prompts draft from
+each other's answers only: one by one from the earlier prompts', in the batch live from all.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ def main(model: str, drafters: list[str], per_category: int, max_new_tokens: int
         chat = bool(engine.tokenizer.chat_template)
         inputs = prompts if chat else [draftwise_text(prompt) for prompt in prompts]
         limit = max_batch or default_max_batch(engine, len(inputs))
+        history = getattr(engine.drafter, "history", None)  # --drafter history: each way starts from none
+        empty = history.mark() if history is not None else None
         engine.generate(inputs[0], max_new_tokens=8)  # warm: the kernels' first calls, the policy's first costs
         seconds = {"one by one": 0.0, "batch": 0.0}
         tokens = forwards = mismatches = 0
@@ -36,6 +40,8 @@ def main(model: str, drafters: list[str], per_category: int, max_new_tokens: int
             order = ["one by one", "batch"] if round_index % 2 == 0 else ["batch", "one by one"]
             outputs = {}
             for way in order:
+                if history is not None:
+                    history.rewind(empty)  # so no way drafts from the other's answers to the same prompts
                 tic = time.perf_counter()
                 if way == "batch":
                     outputs[way] = engine.generate_batch(inputs, params, max_batch=limit)

@@ -126,6 +126,9 @@ def _add_engine_flags(cmd, drafter_default: str | None = "ngram", drafter_defaul
     cmd.add_argument("--draft-model", help="the draft model for --drafter model or cross-vocab: name or path")
     cmd.add_argument("--head", help="for --drafter eagle or medusa: a head folder from `draftwise train` "
                                     "(default: the one shipped for --model)")
+    cmd.add_argument("--history-tokens", type=int, metavar="N",
+                     help="for --drafter history: how many of the latest answer tokens it drafts from "
+                          "(default 200000, about 40 MB; 0: each request's own text alone)")
     cmd.add_argument("--cross-vocab-method", default="auto", choices=list(CROSS_VOCAB_METHODS),
                      help="for --drafter cross-vocab: string (re-tokenise the draft's text) or intersection "
                           "(draft only tokens both vocabularies share); auto picks from their overlap (default)")
@@ -134,7 +137,7 @@ def _add_engine_flags(cmd, drafter_default: str | None = "ngram", drafter_defaul
                           "native decoder runs the draft)")
     cmd.add_argument("--num-draft-tokens", type=int, metavar="K",
                      help="most draft tokens per step (default: 10 for ngram, 5 for model and cross-vocab, "
-                          "24 tree nodes for eagle)")
+                          "24 tree nodes for eagle, medusa and history)")
     cmd.add_argument("--draft-length", default="adaptive", choices=list(DRAFT_LENGTHS),
                      help="adaptive: verify the share of each draft that measured costs say pays off (default); "
                           "fixed: always verify K")
@@ -177,7 +180,7 @@ def _load_engine(args):
                           progress=not args.quiet, draft_length=args.draft_length,
                           cross_vocab_method=args.cross_vocab_method, draft_quantize=args.draft_quantize,
                           activations=args.activations, head=args.head, kv_cache=args.kv_cache,
-                          rope_scaling=args.rope_scaling)
+                          rope_scaling=args.rope_scaling, history_tokens=args.history_tokens)
 
 
 def _add_serve(subparsers) -> None:

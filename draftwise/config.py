@@ -148,8 +148,10 @@ def with_sampling(params: SamplingParams | None, fields: dict) -> SamplingParams
 # n-gram drafts cost nothing to make, and copied spans run long (RAG answers, code edits), so
 # its ceiling is high; a draft model pays a forward per token, so its ceiling is lower.
 # A head's tree is a ceiling of nodes: the policy keeps as many as the measured costs pay for.
-DEFAULT_NUM_DRAFT_TOKENS = {"ngram": 10, "model": 5, "cross-vocab": 5, "eagle": 24, "medusa": 24}
+DEFAULT_NUM_DRAFT_TOKENS = {"ngram": 10, "model": 5, "cross-vocab": 5, "eagle": 24, "medusa": 24, "history": 24}
 FALLBACK_NUM_DRAFT_TOKENS = 5
+# --drafter history's window: the latest answer tokens it counts, about 200 bytes each (40 MB)
+DEFAULT_HISTORY_TOKENS = 200_000
 DRAFT_LENGTHS = ("adaptive", "fixed")
 CROSS_VOCAB_METHODS = ("auto", "string", "intersection")  # see draftwise.drafters.cross_vocab
 # How a draft model's weights are stored. A draft's precision never changes the output (every
@@ -173,6 +175,8 @@ class SpecConfig:
     cross_vocab_method: str = "auto"
     draft_quantize: str = "auto"
     head: str | None = None  # --drafter eagle / medusa: a folder written by `draftwise train` (None: the shipped one)
+    # --drafter history: how many of the engine's latest answer tokens it drafts from (None: DEFAULT_HISTORY_TOKENS)
+    history_tokens: int | None = None
 
     @property
     def max_draft_tokens(self) -> int:
@@ -197,6 +201,13 @@ class SpecConfig:
             raise ConfigError(f"drafter={self.drafter!r} needs a draft model: pass --draft-model NAME|PATH.")
         if self.head is not None and self.drafter not in ("eagle", "medusa"):
             raise ConfigError(f"head={self.head!r} is only read by drafter='eagle' or 'medusa', not {self.drafter!r}.")
+        if self.history_tokens is not None:
+            if self.drafter != "history":
+                raise ConfigError(f"history_tokens={self.history_tokens} is only read by drafter='history', "
+                                  f"not {self.drafter!r}.")
+            if self.history_tokens < 0:
+                raise ConfigError(f"history_tokens={self.history_tokens} is invalid: use 0 (draft from this request "
+                                  "alone) or more.")
         if self.draft_quantize not in DRAFT_QUANTIZATIONS:
             raise ConfigError(
                 f"draft_quantize={self.draft_quantize!r} is invalid: use one of {', '.join(DRAFT_QUANTIZATIONS)}."

@@ -7,6 +7,7 @@ request's output depends on nothing else in the batch.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -20,6 +21,8 @@ from draftwise.logprobs import TokenLogprob, token_logprob
 from draftwise.metrics import RequestMetrics
 from draftwise.structured import Constraint
 from draftwise.text_stream import TextStream
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -108,6 +111,12 @@ class Sequence:
         self.finish_reason = reason
         self.metrics.num_generated_tokens = len(self.text.token_ids)
         self.metrics.total_s = time.perf_counter() - self.started
+        end = getattr(self.drafter, "end", None)  # see Drafter: what it learns from a whole answer
+        if end is not None and reason in ("stop", "length"):
+            try:
+                end(self.context)
+            except Exception:  # the answer is whole and right: a drafter's bookkeeping must not lose it
+                logger.exception("the drafter's end() failed after a finished request; its answer stands")
 
     def room(self) -> int:
         """The most tokens a draft may hold this step: never past the request's length budget."""

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from draftwise.config import SamplingParams
 from draftwise.drafters import ModelDrafter, NgramDrafter
 from draftwise.drafters.eagle import EagleDrafter
+from draftwise.drafters.history import HistoryDrafter, NgramHistory
 from draftwise.drafters.medusa import MedusaDrafter
 from draftwise.engine import Engine
 from draftwise.errors import ConfigError
@@ -220,6 +221,8 @@ def default_drafter(name: str, target):
     model = target.model
     if name == "ngram":
         return NgramDrafter()
+    if name == "history":  # one history for the 12 prompts: each drafts from the answers before it
+        return HistoryDrafter(NgramHistory())
     if name == "model":
         return ModelDrafter(model.truncated(27))
     if name == "eagle":  # trees: top 8 children, 6 deep
@@ -232,7 +235,7 @@ def default_drafter(name: str, target):
 # k: most draft tokens (tree nodes for eagle and medusa); the 27-layer draft model runs 8 only (CI's
 # time: its forwards are the slowest drafter's; the other three cover one-token and 16-token drafts).
 @pytest.mark.parametrize(("drafter", "num_draft_tokens"),
-                         [(name, k) for name in ("ngram", "model", "eagle", "medusa") for k in (1, 8, 16)
+                         [(name, k) for name in ("ngram", "history", "model", "eagle", "medusa") for k in (1, 8, 16)
                           if name != "model" or k == 8])
 def test_greedy_speculation_equals_plain_decoding_in_the_default_format(default_target, default_plain_outputs,
                                                                         drafter, num_draft_tokens):

@@ -190,9 +190,10 @@ def test_bench_quick_runs_and_writes_its_reports(smollm2, capsys, tmp_path):
     assert code == 0
     assert "| all | draftwise ngram k<=10 adaptive |" in out and "| all | transformers prompt lookup |" in out
     # --quick: no quantized rows, one repeat; plain, ngram, the shipped eagle and medusa heads,
-    # transformers x 2
-    assert "1 prompts x 6 methods x 1 repeats" in err
+    # history, transformers x 2
+    assert "1 prompts x 7 methods x 1 repeats" in err
     assert "| all | draftwise eagle k<=24 adaptive |" in out and "| all | draftwise medusa k<=24 adaptive |" in out
+    assert "| all | draftwise history k<=24 adaptive |" in out
     summary = json.loads((tmp_path / "bench.json").read_text())
     assert summary["config"]["max_new_tokens"] == 32
     assert all(row["same_as_reference"] is not False for row in summary["rows"])

@@ -93,6 +93,13 @@ def test_the_own_drafter_example_runs_as_written():
     assert result.text == namespace["plain"].generate("Write a function that adds two numbers.", max_new_tokens=24).text
 
 
+def test_the_history_drafter_example_runs_as_written(capsys):
+    (code,) = python_blocks("Drafting from earlier answers: `--drafter history`")
+    exec(code, {})
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 4 and all(" tokens a forward: " in line for line in lines)
+
+
 def test_the_batch_examples_are_a_valid_batch_file_and_run_as_written(tmp_path):
     """The JSON lines the README shows for `draftwise batch` are a file it reads (checked as it
     checks every input before loading a model), and the generate_batch example runs."""

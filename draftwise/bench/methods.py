@@ -33,8 +33,18 @@ class DraftwiseMethod:
         self.name = name
         self.engine = engine
         self.reference = reference
+        self.last_input: list[dict] | str | None = None  # --drafter history: the prompt the mark is for
+        self.mark = 0
 
     def run(self, messages: list[dict] | str, max_new_tokens: int) -> MethodOutput:
+        history = getattr(self.engine.drafter, "history", None)  # --drafter history's NgramHistory
+        if history is not None:
+            # Every run of a prompt (the warm-up, each repeat) drafts from the same history: the
+            # earlier prompts' answers, never its own from a run before.
+            if messages == self.last_input:
+                history.rewind(self.mark)
+            else:
+                self.last_input, self.mark = messages, history.mark()
         result = self.engine.generate(messages, SamplingParams(max_new_tokens=max_new_tokens))
         return MethodOutput(result.token_ids, result.metrics)
 

@@ -17,6 +17,14 @@ def _build_ngram(spec: SpecConfig, target: LoadedModel, dtype: str, progress: bo
     return NgramDrafter(spec.ngram_min, spec.ngram_max)
 
 
+def _build_history(spec: SpecConfig, target: LoadedModel, dtype: str, progress: bool) -> Drafter:
+    from draftwise.config import DEFAULT_HISTORY_TOKENS
+    from draftwise.drafters.history import HistoryDrafter, NgramHistory
+
+    capacity = DEFAULT_HISTORY_TOKENS if spec.history_tokens is None else spec.history_tokens
+    return HistoryDrafter(NgramHistory(spec.ngram_max, capacity), spec.ngram_min, spec.ngram_max)
+
+
 def _load_draft(spec: SpecConfig, dtype: str, progress: bool) -> LoadedModel:
     """The draft model, stored as spec.draft_quantize says ("auto": a GGUF draft's own blocks,
     another native draft in int8 blocks; the draft's numerics never reach the output)."""
@@ -121,6 +129,7 @@ DRAFTERS: dict[str, Callable[[SpecConfig, LoadedModel, str, bool], Drafter] | No
     "cross-vocab": _build_cross_vocab,
     "eagle": _build_eagle,
     "medusa": _build_medusa,
+    "history": _build_history,
 }
 
 

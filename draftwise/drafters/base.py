@@ -54,6 +54,10 @@ class Drafter(Protocol):
     forward that became committed context (the prompt's at prefill, then the last committed
     token's and the accepted nodes' after each step), [rows, len(hidden_layers) * hidden_size].
 
+    A drafter that learns from whole answers (HistoryDrafter) has `end(context)`: the engine calls
+    it once when its request finishes (EOS, a stop string or the length limit) with the request's
+    committed tokens, prompt then output [n].
+
     The server decodes many requests at once, each with its own drafter: fork_drafter() makes
     them by a shallow copy (weights shared), which is right when begin() sets up all of a
     request's state. A drafter that reuses per-request buffers across begin() calls defines

@@ -41,22 +41,26 @@ class TreeLookup:
 
     def merge(self, context: torch.Tensor, tokens: list[int], parents: list[int], scores: list[float],
               depths: list[int]) -> None:
-        """Merge, in place, the lookup's continuation of `context` into the tree (target token ids,
-        parent per node, log path probabilities, depths) as a path from the root: along the
-        tree's own nodes where they spell it, then as new nodes. Each step of the path scores its
-        parent's score plus LOOKUP_LOG_PROBABILITY, or the tree's own score where that is higher,
-        so scores never rise from parent to child."""
-        chain = self.ngram.propose(context, self.length).tokens.tolist()
-        child_of = {(parent, token): node for node, (parent, token) in enumerate(zip(parents, tokens))}
-        node, score, depth = -1, 0.0, 0
-        for token in chain:
-            score, depth = score + LOOKUP_LOG_PROBABILITY, depth + 1
-            if (node, token) in child_of:
-                node = child_of[(node, token)]
-                scores[node] = score = max(scores[node], score)
-                continue
-            tokens.append(token)
-            parents.append(node)
-            scores.append(score)
-            depths.append(depth)
-            node = child_of[(parents[-1], token)] = len(tokens) - 1
+        """Merge, in place, the lookup's continuation of `context` into the tree (merge_path)."""
+        merge_path(self.ngram.propose(context, self.length).tokens.tolist(), tokens, parents, scores, depths)
+
+
+def merge_path(path: list[int], tokens: list[int], parents: list[int], scores: list[float], depths: list[int],
+               log_probability: float = LOOKUP_LOG_PROBABILITY) -> None:
+    """Merge, in place, a path of tokens from the root into a candidate tree (target token ids,
+    parent per node, log path probabilities, depths): along the tree's own nodes where they spell
+    it, then as new nodes. Each step of the path scores its parent's score plus log_probability,
+    or the tree's own score where that is higher, so scores never rise from parent to child."""
+    child_of = {(parent, token): node for node, (parent, token) in enumerate(zip(parents, tokens))}
+    node, score, depth = -1, 0.0, 0
+    for token in path:
+        score, depth = score + log_probability, depth + 1
+        if (node, token) in child_of:
+            node = child_of[(node, token)]
+            scores[node] = score = max(scores[node], score)
+            continue
+        tokens.append(token)
+        parents.append(node)
+        scores.append(score)
+        depths.append(depth)
+        node = child_of[(parents[-1], token)] = len(tokens) - 1
