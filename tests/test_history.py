@@ -180,3 +180,16 @@ def test_the_benchs_repeats_of_a_prompt_never_draft_from_their_own_answer(engine
     assert len(engine.drafter.history) == before + len(runs[0].token_ids)  # one answer kept, not three
     following = method.run(PROMPTS[4], 40)  # the next prompt drafts from the last one's answer, and adds its own
     assert len(engine.drafter.history) == before + len(runs[0].token_ids) + len(following.token_ids)
+
+
+def test_a_drafter_whose_end_fails_leaves_the_answer_whole(engine, plain, caplog):
+    class Failing(HistoryDrafter):
+        def end(self, context):
+            raise RuntimeError("bookkeeping broke")
+
+    failing = Engine(engine.target, Failing(NgramHistory()), 8)
+    with caplog.at_level("ERROR"):
+        result = failing.generate(PROMPTS[5], max_new_tokens=24)
+    assert result.token_ids == plain.generate(PROMPTS[5], max_new_tokens=24).token_ids
+    assert result.finish_reason in ("stop", "length")
+    assert "the drafter's end() failed" in caplog.text and "bookkeeping broke" in caplog.text
