@@ -36,6 +36,7 @@ def load(
     kv_cache: str = "auto",
     rope_scaling: str | None = None,
     history_tokens: int | None = None,
+    history_file: str | None = None,
 ) -> Engine:
     """Load a target model (registry name, local path or hub id) and a drafter into an Engine.
 
@@ -73,7 +74,8 @@ def load(
     drafter="history" drafts trees from what this engine answered before (every request's
     answer, live) and the request's own prompt lookup: it pays most where answers repeat each
     other (a server, Engine.generate_batch, a labelling job); history_tokens is its window, the
-    latest answer tokens it drafts from (default 200,000: about 40 MB).
+    latest answer tokens it drafts from (default 200,000: about 40 MB); history_file keeps it
+    between processes: read at load if it exists, written by engine.drafter.history.save().
     """
     from draftwise.drafters import build_drafter, check_before_loading
     from draftwise.models import loading
@@ -86,7 +88,7 @@ def load(
         return engine_for(spec, target, drafter)
     spec = SpecConfig(drafter=drafter, num_draft_tokens=num_draft_tokens, draft_model=draft_model,
                       draft_length=draft_length, cross_vocab_method=cross_vocab_method, draft_quantize=draft_quantize,
-                      head=head, history_tokens=history_tokens)
+                      head=head, history_tokens=history_tokens, history_file=history_file)
     check_before_loading(spec, model)
     target = loading.load(model, dtype=dtype, auto_fetch=model == DEFAULT_MODEL, progress=progress, quantize=quantize,
                           activations=activations, kv_cache=kv_cache, rope_scaling=rope_scaling)

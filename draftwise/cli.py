@@ -129,6 +129,9 @@ def _add_engine_flags(cmd, drafter_default: str | None = "ngram", drafter_defaul
     cmd.add_argument("--history-tokens", type=int, metavar="N",
                      help="for --drafter history: how many of the latest answer tokens it drafts from "
                           "(default 200000, about 40 MB; 0: each request's own text alone)")
+    cmd.add_argument("--history-file", metavar="PATH",
+                     help="for --drafter history: keep its history in this file between runs (read at start "
+                          "if it exists, written when the command ends, Ctrl-C included)")
     cmd.add_argument("--cross-vocab-method", default="auto", choices=list(CROSS_VOCAB_METHODS),
                      help="for --drafter cross-vocab: string (re-tokenise the draft's text) or intersection "
                           "(draft only tokens both vocabularies share); auto picks from their overlap (default)")
@@ -175,12 +178,15 @@ def _load_engine(args):
 
     if args.threads is not None:
         torch_threads(args.threads)
-    return draftwise.load(args.model, drafter=args.drafter, draft_model=args.draft_model,
-                          num_draft_tokens=args.num_draft_tokens, dtype=args.dtype, quantize=args.quantize,
-                          progress=not args.quiet, draft_length=args.draft_length,
-                          cross_vocab_method=args.cross_vocab_method, draft_quantize=args.draft_quantize,
-                          activations=args.activations, head=args.head, kv_cache=args.kv_cache,
-                          rope_scaling=args.rope_scaling, history_tokens=args.history_tokens)
+    engine = draftwise.load(args.model, drafter=args.drafter, draft_model=args.draft_model,
+                            num_draft_tokens=args.num_draft_tokens, dtype=args.dtype, quantize=args.quantize,
+                            progress=not args.quiet, draft_length=args.draft_length,
+                            cross_vocab_method=args.cross_vocab_method, draft_quantize=args.draft_quantize,
+                            activations=args.activations, head=args.head, kv_cache=args.kv_cache,
+                            rope_scaling=args.rope_scaling, history_tokens=args.history_tokens,
+                            history_file=args.history_file)
+    _LOADED["engine"] = engine
+    return engine
 
 
 def _add_serve(subparsers) -> None:
@@ -750,9 +756,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _save_history() -> None:
+    """Write --history-file: the history of the engine this command loaded (_load_engine), if any."""
+    history = getattr(_LOADED.get("engine") and _LOADED["engine"].drafter, "history", None)
+    if history is not None and history.file is not None:
+        history.save()
+
+
+_LOADED: dict = {}  # the engine this command loaded, for what must happen when it ends (_save_history)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # keep warnings about GGUF internals quiet
+    _LOADED.clear()
+    code = _run(args)
+    try:
+        _save_history()  # after the command, however it ended (Ctrl-C included): what it learned stays
+    except (DraftwiseError, OSError) as error:
+        print(f"draftwise: error: the history file was not written: {error}", file=sys.stderr)
+        return code or 1
+    return code
+
+
+def _run(args) -> int:
     try:
         return args.handler(args)
     except DraftwiseError as error:

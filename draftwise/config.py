@@ -177,6 +177,7 @@ class SpecConfig:
     head: str | None = None  # --drafter eagle / medusa: a folder written by `draftwise train` (None: the shipped one)
     # --drafter history: how many of the engine's latest answer tokens it drafts from (None: DEFAULT_HISTORY_TOKENS)
     history_tokens: int | None = None
+    history_file: str | None = None  # --drafter history: where its history is kept between processes
 
     @property
     def max_draft_tokens(self) -> int:
@@ -208,6 +209,9 @@ class SpecConfig:
             if self.history_tokens < 0:
                 raise ConfigError(f"history_tokens={self.history_tokens} is invalid: use 0 (draft from this request "
                                   "alone) or more.")
+        if self.history_file is not None and self.drafter != "history":
+            raise ConfigError(f"history_file={self.history_file!r} is only read by drafter='history', "
+                              f"not {self.drafter!r}.")
         if self.draft_quantize not in DRAFT_QUANTIZATIONS:
             raise ConfigError(
                 f"draft_quantize={self.draft_quantize!r} is invalid: use one of {', '.join(DRAFT_QUANTIZATIONS)}."

@@ -193,3 +193,41 @@ def test_a_drafter_whose_end_fails_leaves_the_answer_whole(engine, plain, caplog
     assert result.token_ids == plain.generate(PROMPTS[5], max_new_tokens=24).token_ids
     assert result.finish_reason in ("stop", "length")
     assert "the drafter's end() failed" in caplog.text and "bookkeeping broke" in caplog.text
+
+
+def test_a_history_file_keeps_the_window_between_processes(tmp_path):
+    path = tmp_path / "history.safetensors"
+    written = NgramHistory(3, 40, path, tokenizer="vocabulary A")
+    for start in range(6):
+        written.insert([start, 1, 2, 3, start + 4, 5, 6, 7, 8, 9], 2)
+    written.save()
+    assert not list(tmp_path.glob("*.partial"))
+    read = NgramHistory(3, 40, path, tokenizer="vocabulary A")
+    assert as_counts(read) == as_counts(written) and len(read) == len(written) == 40
+    smaller = NgramHistory(3, 16, path, tokenizer="vocabulary A")  # a smaller window keeps the latest pieces
+    assert as_counts(smaller) == recount([(tokens, first) for _, tokens, first in list(written.pieces)[-2:]], 3)
+    with pytest.raises(ConfigError, match="another tokenizer than this model's"):
+        NgramHistory(3, 40, path, tokenizer="vocabulary B")
+    path.write_bytes(b"not a history")
+    with pytest.raises(ConfigError, match="is not a history draftwise wrote"):
+        NgramHistory(3, 40, path, tokenizer="vocabulary A")
+    with pytest.raises(ConfigError, match="no file to save to"):
+        NgramHistory().save()
+
+
+def test_generate_with_a_history_file_drafts_from_the_runs_before(capsys, tmp_path):
+    import json
+
+    from draftwise.cli import main
+
+    path = tmp_path / "history.safetensors"
+    argv = ["generate", "List five fruits that are rich in vitamin C.", "--chat", "--drafter", "history",
+            "--history-file", str(path), "--max-new-tokens", "48", "--json", "--quiet"]
+    runs = []
+    for _ in range(2):
+        assert main(argv) == 0
+        runs.append(json.loads(capsys.readouterr().out))
+    assert runs[0]["token_ids"] == runs[1]["token_ids"]
+    assert runs[1]["metrics"]["mean_accepted_length"] > runs[0]["metrics"]["mean_accepted_length"] + 1
+    assert main(["generate", "hi", "--drafter", "ngram", "--history-file", str(path)]) == 2
+    assert "only read by drafter='history'" in capsys.readouterr().err

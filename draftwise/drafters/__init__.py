@@ -19,10 +19,20 @@ def _build_ngram(spec: SpecConfig, target: LoadedModel, dtype: str, progress: bo
 
 def _build_history(spec: SpecConfig, target: LoadedModel, dtype: str, progress: bool) -> Drafter:
     from draftwise.config import DEFAULT_HISTORY_TOKENS
-    from draftwise.drafters.history import HistoryDrafter, NgramHistory
+    from draftwise.drafters.history import HistoryDrafter, NgramHistory, tokenizer_id
 
     capacity = DEFAULT_HISTORY_TOKENS if spec.history_tokens is None else spec.history_tokens
-    return HistoryDrafter(NgramHistory(spec.ngram_max, capacity), spec.ngram_min, spec.ngram_max)
+    history = NgramHistory(spec.ngram_max, capacity, spec.history_file, tokenizer_id(target.tokenizer))
+    return HistoryDrafter(history, spec.ngram_min, spec.ngram_max)
+
+
+def _check_history_file(spec: SpecConfig, model: str) -> None:
+    """The history file can be written where it was asked for (its folder exists)."""
+    from pathlib import Path
+
+    if spec.history_file is not None and not Path(spec.history_file).resolve().parent.is_dir():
+        raise ConfigError(f"--history-file {spec.history_file}: the folder {Path(spec.history_file).resolve().parent} "
+                          "does not exist; create it first.")
 
 
 def _load_draft(spec: SpecConfig, dtype: str, progress: bool) -> LoadedModel:
@@ -110,6 +120,7 @@ CHECKS_BEFORE_LOADING: dict[str, Callable[[SpecConfig, str], None]] = {
     "cross-vocab": _check_draft_model,
     "eagle": _check_head("eagle"),
     "medusa": _check_head("medusa"),
+    "history": _check_history_file,
 }
 
 

@@ -22,11 +22,15 @@ answered before, as it may on any draft).
 
 from __future__ import annotations
 
+import hashlib
 import heapq
+import json
 import math
+import os
 from array import array
 from collections import deque
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -39,6 +43,7 @@ _MIX = 0x9E3779B97F4A7C15  # a 64-bit odd constant (the golden ratio's): the con
 _MASK = (1 << 64) - 1
 _COUNT_BITS = 20  # a single continuation is stored as token << _COUNT_BITS | count (count < 2^20)
 _COUNT_MASK = (1 << _COUNT_BITS) - 1
+HISTORY_FORMAT = "draftwise-ngram-history-1"  # a history file's metadata "format"
 MOST_LIKELY = 0.99  # the highest chance a node's step is given (a reliability may pass 1)
 
 
@@ -54,17 +59,31 @@ def context_keys(tokens: Sequence[int], end: int, max_n: int) -> list[int]:
     return keys
 
 
+def tokenizer_id(tokenizer) -> str:
+    """What a history file's token ids are ids of: a digest of the tokenizer's vocabulary (two
+    models sharing a tokenizer, Qwen2.5-Coder 0.5B and 1.5B, share their histories)."""
+    vocabulary = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    return hashlib.sha256(json.dumps(vocabulary).encode()).hexdigest()[:32]
+
+
 class NgramHistory:
     """What followed each context of 1..max_n tokens in the text inserted, over the last
-    `capacity` tokens inserted (older pieces are taken out whole, their counts undone)."""
+    `capacity` tokens inserted (older pieces are taken out whole, their counts undone).
 
-    def __init__(self, max_n: int = 4, capacity: int = 200_000) -> None:
+    file: where save() keeps the pieces between processes (a server's restart, one `draftwise
+    generate` after another); read now if it exists. tokenizer: tokenizer_id() of the model whose
+    ids the pieces are, checked against the file's."""
+
+    def __init__(self, max_n: int = 4, capacity: int = 200_000, file: Path | str | None = None,
+                 tokenizer: str = "") -> None:
         if max_n < 1:
             raise ConfigError(f"max_n={max_n}: the history's contexts need at least 1 token.")
         if capacity < 0:
             raise ConfigError(f"history capacity={capacity} tokens is invalid: use 0 (keep no history) or more.")
         self.max_n = max_n
         self.capacity = capacity
+        self.file = None if file is None else Path(file)
+        self.tokenizer = tokenizer
         # context key -> its continuations: token << _COUNT_BITS | count while there is one (most
         # contexts: a third of the memory of a dict each), then {token: count}
         self.table: dict[int, int | dict[int, int]] = {}
@@ -72,6 +91,8 @@ class NgramHistory:
         self.pieces: deque[tuple[int, Sequence[int], int]] = deque()
         self.num_tokens = 0  # tokens counted in the window
         self.num_inserted = 0  # pieces ever inserted: the next one's serial number
+        if self.file is not None and self.file.exists():
+            self._read(self.file)
 
     def __len__(self) -> int:
         return self.num_tokens
@@ -131,6 +152,49 @@ class NgramHistory:
                 return {entry >> _COUNT_BITS: entry & _COUNT_MASK}
             return entry
         return {}
+
+    def save(self) -> None:
+        """Write the window's pieces to `file` (safetensors: the tokens, each piece's length and
+        first counted position; the tokenizer's id in its metadata), replacing it whole."""
+        from safetensors.torch import save_file
+
+        if self.file is None:
+            raise ConfigError("this history has no file to save to: give NgramHistory(file=...) "
+                              "(--history-file PATH).")
+        pieces = list(self.pieces)
+        tokens = [token for _, piece, _ in pieces for token in piece]
+        temporary = self.file.with_name(self.file.name + ".partial")
+        save_file({"tokens": torch.tensor(tokens, dtype=torch.long),
+                   "lengths": torch.tensor([len(piece) for _, piece, _ in pieces], dtype=torch.long),
+                   "firsts": torch.tensor([first for _, _, first in pieces], dtype=torch.long)},
+                  str(temporary), metadata={"format": HISTORY_FORMAT, "tokenizer": self.tokenizer})
+        os.replace(temporary, self.file)  # a reader never sees half a file
+
+    def _read(self, path: Path) -> None:
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            from safetensors import safe_open
+
+            with safe_open(str(path), "pt") as opened:
+                metadata = opened.metadata() or {}
+            arrays = load_file(str(path))
+            tokens, lengths, firsts = arrays["tokens"].tolist(), arrays["lengths"].tolist(), arrays["firsts"].tolist()
+        except (SafetensorError, KeyError, OSError, ValueError) as error:
+            raise ConfigError(f"--history-file {path} is not a history draftwise wrote ({error}): give another "
+                              "path, or remove the file to start an empty history there.") from None
+        if metadata.get("format") != HISTORY_FORMAT:
+            raise ConfigError(f"--history-file {path} is not a history draftwise wrote (format "
+                              f"{metadata.get('format')!r}): give another path, or remove the file.")
+        if metadata.get("tokenizer") != self.tokenizer:
+            raise ConfigError(f"--history-file {path} holds the token ids of another tokenizer than this model's: "
+                              "its ids would mean other words here. Give a history file of this model's (or of one "
+                              "sharing its tokenizer), or a new path.")
+        start = 0
+        for length, first in zip(lengths, firsts):
+            self.insert(array("q", tokens[start:start + length]), first)
+            start += length
 
     def mark(self) -> int:
         """A point to rewind to (rewind): the serial number the next piece will have."""
