@@ -122,22 +122,6 @@ def test_the_tree_grows_the_likeliest_continuations_first():
     assert history.continuations(context_keys([9], 1, 2)) == {1: 1}
 
 
-def test_a_sources_scores_follow_how_often_it_turned_out_right():
-    # Prompt lookup's copy is right every other step: its first node's score settles near 0.5
-    # (its claim, LOOKUP_PROBABILITY, times its hits per claim), whatever it claimed at first.
-    drafter = HistoryDrafter(NgramHistory(4, 0), lookup=4)
-    drafter.begin(SamplingParams(), torch.Generator(), 10_000)
-    context = [1, 2, 3, 1, 2, 3, 1, 2]
-    first_scores = []
-    for step in range(300):
-        draft = drafter.propose(torch.tensor(context), 4)
-        copied = drafter.last[1]
-        first_scores.append(float(draft.scores[0]))
-        context.append(copied[0] if step % 2 == 0 else next(t for t in (1, 2, 3) if t != copied[0]))
-    assert first_scores[0] == pytest.approx(0.8)
-    assert sum(first_scores[-40:]) / 40 == pytest.approx(0.5, abs=0.06)
-
-
 def test_bad_settings_are_refused_with_the_fix():
     with pytest.raises(ConfigError, match="history capacity=-1 tokens is invalid"):
         NgramHistory(4, -1)

@@ -46,7 +46,6 @@ _MASK = (1 << 64) - 1
 _COUNT_BITS = 20  # a single continuation is stored as token << _COUNT_BITS | count (count < 2^20)
 _COUNT_MASK = (1 << _COUNT_BITS) - 1
 HISTORY_FORMAT = "draftwise-ngram-history-1"  # a history file's metadata "format"
-LOOKUP_PROBABILITY = math.exp(LOOKUP_LOG_PROBABILITY)  # what prompt lookup claims a copied token's chance is
 MOST_LIKELY = 0.99  # the highest chance a node's step is given (a reliability may pass 1)
 
 
@@ -262,9 +261,9 @@ class HistoryDrafter:
         self.latest: dict[int, int] = {}
         self.num_indexed = 1  # positions 1 .. num_indexed - 1 are in `latest`
         # How right each source has been on this request (scored against the committed tokens at
-        # the next step): its hits per probability it claimed (prompt lookup LOOKUP_PROBABILITY a
-        # copied token, the history its counts' shares); prior: both claims are calibrated.
-        self.lookup_reliability = Reliability(1.0)
+        # the next step): prompt lookup's chance a copied token is right (its prior: TreeLookup's
+        # 0.8), and the history's hits per probability it gave (prior: its counts are calibrated).
+        self.lookup_reliability = Reliability(math.exp(LOOKUP_LOG_PROBABILITY))
         self.history_reliability = Reliability(1.0)
         # The last step's guesses: (context length, the lookup's path, the history's children
         # per expanded path {path: {token: probability}}), scored when the next step comes
@@ -282,8 +281,7 @@ class HistoryDrafter:
         copied = self._lookup(tokens, root_keys) if self.lookup else []
         self.last = (len(tokens), copied, expanded)
         if copied:
-            probability = min(LOOKUP_PROBABILITY * self.lookup_reliability.ratio, MOST_LIKELY)
-            merge_path(copied, nodes, parents, scores, depths, math.log(probability))
+            merge_path(copied, nodes, parents, scores, depths, math.log(min(self.lookup_reliability.ratio, MOST_LIKELY)))
         if not nodes:
             return empty_draft()
         return best_tree_draft(nodes, parents, scores, depths, num_draft_tokens, key="history")
@@ -297,7 +295,7 @@ class HistoryDrafter:
         self.last = None
         committed = tokens[length:]
         for depth, token in enumerate(committed[:len(copied)]):
-            self.lookup_reliability.observe(LOOKUP_PROBABILITY, token == copied[depth])
+            self.lookup_reliability.observe(self.lookup_reliability.ratio, token == copied[depth])
             if token != copied[depth]:
                 break
         for depth, token in enumerate(committed):
