@@ -185,7 +185,7 @@ def _load_engine(args):
                             activations=args.activations, head=args.head, kv_cache=args.kv_cache,
                             rope_scaling=args.rope_scaling, history_tokens=args.history_tokens,
                             history_file=args.history_file)
-    _LOADED["engine"] = engine
+    args.engine = engine  # for what must happen when the command ends (main: the history file)
     return engine
 
 
@@ -756,23 +756,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _save_history() -> None:
+def _save_history(args) -> None:
     """Write --history-file: the history of the engine this command loaded (_load_engine), if any."""
-    history = getattr(_LOADED.get("engine") and _LOADED["engine"].drafter, "history", None)
+    engine = getattr(args, "engine", None)
+    history = getattr(engine.drafter, "history", None) if engine is not None else None
     if history is not None and history.file is not None:
         history.save()
-
-
-_LOADED: dict = {}  # the engine this command loaded, for what must happen when it ends (_save_history)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # keep warnings about GGUF internals quiet
-    _LOADED.clear()
     code = _run(args)
     try:
-        _save_history()  # after the command, however it ended (Ctrl-C included): what it learned stays
+        _save_history(args)  # after the command, however it ended (Ctrl-C included): what it learned stays
     except (DraftwiseError, OSError) as error:
         print(f"draftwise: error: the history file was not written: {error}", file=sys.stderr)
         return code or 1
